@@ -1,0 +1,18 @@
+"""mla-fuser: run multi-head latent attention (and Mamba / MoE blocks) fast in Hugging Face Transformers.
+
+Importing registers the ``vllm_mla`` attention implementation (and its mask function) in Transformers'
+registries.  Public API::
+
+    model = mla_fuser.AutoModelForCausalLM.from_pretrained(path, attn_implementation="vllm_mla")
+    report = mla_fuser.fuse(model)          # any model, in place, idempotent
+    model.fusion_report                     # the same report
+"""
+
+from . import attention_interfaces  # noqa: F401  (registration side effect)
+from .fuse import fuse
+from .fusers.base import FusionReport, FusionRow
+from .loader import AutoModel, AutoModelForCausalLM
+
+__version__ = "0.1.0"
+
+__all__ = ["AutoModel", "AutoModelForCausalLM", "FusionReport", "FusionRow", "fuse", "__version__"]

@@ -1,0 +1,131 @@
+"""The ``vllm_mla`` attention function.
+
+Once a model uses ``vllm_mla`` every attention call of that model reaches this function:
+* a **fused** MLA instance (``module._mla_fuser_plan`` set by the fuser) passes the compressed latent:
+  ``key`` = ``kv_c_normed`` [B, 1, T, rank], ``value`` = ``k_pe`` [B, 1, T, rope]; we run absorbed MLA;
+* anything else (unfused MLA instances, non-MLA layers of hybrid models, ``VLLM_MLA_DISABLE=1``) passes
+  expanded K/V; we run padded full attention (V padded to the q/k head dim, SDPA, output sliced).
+
+Both paths honour the mask (left padding, static-cache padding), ``indices`` (DSA top-k selection),
+``s_aux`` (attention sinks) and ``sliding_window``; masked scores use the dtype minimum so fully padded rows
+stay finite.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..fusers.mla import PLAN_ATTR
+from ..kernels.mla_attention import masked_softmax, mla_attention
+
+
+def _allowed_mask(attention_mask, batch, heads, q_len, kv_len, device, indices=None, sliding_window=None,
+                  is_causal=True):
+    """Boolean ``[B, 1|H, S, T]`` of attendable positions (True) or None when everything is allowed.
+
+    Also returns an additive float bias when the mask is a float mask (None otherwise)."""
+    allowed, bias = None, None
+    if attention_mask is not None:
+        mask = attention_mask[..., :kv_len]
+        if mask.dtype == torch.bool:
+            allowed = mask
+        else:
+            bias = mask
+    elif q_len > 1 and is_causal:
+        # same semantics as SDPA's ``is_causal`` that Transformers relies on when it skips the mask:
+        # upper-left aligned (equal to lower-right when S == T, and right for an empty static cache)
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril().view(1, 1, q_len, kv_len)
+    if sliding_window is not None and attention_mask is None and kv_len > sliding_window:
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=device).view(-1, 1)
+        k_pos = torch.arange(kv_len, device=device).view(1, -1)
+        window = (q_pos - k_pos < sliding_window).view(1, 1, q_len, kv_len)
+        allowed = window if allowed is None else allowed & window
+    if indices is not None:
+        idx = indices.long()
+        idx = torch.where(idx >= 0, idx, torch.full_like(idx, kv_len))
+        counts = torch.zeros(*idx.shape[:-1], kv_len + 1, dtype=torch.int32, device=device)
+        counts.scatter_add_(-1, idx, torch.ones_like(idx, dtype=torch.int32))
+        selected = (counts[..., :kv_len] > 0)
+        selected = selected.unsqueeze(1) if selected.ndim == 3 else selected
+        allowed = selected if allowed is None else allowed & selected
+    return allowed, bias
+
+
+def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indices=None, s_aux=None,
+                        sliding_window=None):
+    plan = getattr(module, PLAN_ATTR)
+    m = plan.match
+    batch, heads, q_len, qk_dim = query.shape
+    if kv_c.ndim != 4 or kv_c.shape[1] != 1 or kv_c.shape[-1] != m.kv_lora_rank:
+        raise RuntimeError(
+            f"vllm_mla: fused module {type(module).__name__} passed a latent of shape {tuple(kv_c.shape)}, "
+            f"expected [B, 1, T, {m.kv_lora_rank}]"
+        )
+    if heads != m.num_heads or qk_dim != m.qk_nope_head_dim + m.qk_rope_head_dim:
+        raise RuntimeError(f"vllm_mla: query shape {tuple(query.shape)} does not fit the matched head layout")
+    kv_b = plan.kv_b(module)
+    w = kv_b.weight.view(m.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+    w_uk, w_uv = w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
+    b_v = None
+    if kv_b.bias is not None:
+        b_v = kv_b.bias.view(m.num_heads, -1)[:, m.qk_nope_head_dim:]
+    q_nope, q_pe = query.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+    kv_len = kv_c.shape[2]
+    allowed, bias = _allowed_mask(attention_mask, batch, heads, q_len, kv_len, query.device, indices,
+                                  sliding_window, getattr(module, "is_causal", True))
+    if bias is not None:  # float mask: fold into a boolean one only if it is a pure 0 / very-negative mask
+        allowed = bias > torch.finfo(bias.dtype).min / 2
+        if not bool(((bias == 0) | ~allowed).all()):
+            raise RuntimeError("vllm_mla: float attention masks with biases other than 0/-inf are not supported")
+    return mla_attention(q_nope, q_pe, kv_c[:, 0], k_pe[:, 0], w_uk, w_uv, scaling, allowed, b_v, s_aux)
+
+
+def padded_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, indices=None,
+                     s_aux=None, sliding_window=None):
+    """Full attention on expanded K/V: V padded to the q/k head dim, SDPA, output sliced; ``[B, S, H, Dv]``."""
+    batch, heads, q_len, qk_dim = query.shape
+    kv_heads, kv_len, v_dim = key.shape[1], key.shape[2], value.shape[-1]
+    if kv_heads != heads:
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    allowed, bias = _allowed_mask(attention_mask, batch, heads, q_len, kv_len, query.device, indices,
+                                  sliding_window, getattr(module, "is_causal", True))
+    scale = scaling if scaling is not None else qk_dim ** -0.5
+    if s_aux is not None:
+        scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+        if bias is not None:
+            scores = (scores + bias.float()).clamp(min=torch.finfo(torch.float32).min)
+        probs = masked_softmax(scores, allowed, s_aux)
+        if dropout and module.training:
+            probs = F.dropout(probs, p=dropout)
+        out = torch.matmul(probs, value.float()).to(query.dtype)
+        return out.transpose(1, 2).contiguous()
+    if v_dim < qk_dim:
+        value = F.pad(value, (0, qk_dim - v_dim))
+    additive = None
+    if allowed is not None or bias is not None:
+        minimum = torch.finfo(query.dtype).min
+        additive = torch.zeros(1, dtype=query.dtype, device=query.device)
+        if bias is not None:
+            additive = (additive + bias.to(query.dtype)).clamp(min=minimum)
+        if allowed is not None:
+            additive = additive.masked_fill(~allowed, minimum)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=additive, dropout_p=dropout if module.training else 0.0, scale=scale,
+    )
+    return out[..., :v_dim].transpose(1, 2).contiguous()
+
+
+def vllm_mla_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Entry point registered as ``vllm_mla`` in ``AttentionInterface``; returns ``(out [B,S,H,Dv], None)``."""
+    if isinstance(query, torch.fx.Proxy):  # traced while the model already uses vllm_mla
+        from ..graph import _tracing_attention_interface
+
+        return _tracing_attention_interface(module, query, key, value, attention_mask, **kwargs)
+    extra = {k: kwargs.get(k) for k in ("indices", "s_aux", "sliding_window")}
+    if getattr(module, PLAN_ATTR, None) is not None:
+        if dropout and module.training:
+            raise NotImplementedError("vllm_mla: attention dropout in training is not supported on fused modules")
+        return fused_mla_attention(module, query, key, value, attention_mask, scaling, **extra), None
+    return padded_attention(module, query, key, value, attention_mask, dropout, scaling, **extra), None

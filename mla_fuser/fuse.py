@@ -1,0 +1,143 @@
+"""``fuse(model)``: find fusable blocks by structure, rewrite them per instance, attach the report."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from . import attention_interfaces  # noqa: F401  (registers vllm_mla)
+from .fusers.base import FusionReport, FusionRow
+from .fusers.mla import PLAN_ATTR, MLAFuser, apply_mla
+from .graph import rmsnorm_width
+
+ATTENTION_NAME = attention_interfaces.ATTENTION_NAME
+SUPPORTED_TRANSFORMERS = ((5, 17), (6, 0))
+_warned_disabled = False
+
+
+def mla_disabled() -> bool:
+    """``VLLM_MLA_DISABLE`` is read (never written) at each fuse."""
+    return os.environ.get("VLLM_MLA_DISABLE", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def transformers_supported() -> tuple[bool, str]:
+    import transformers
+
+    parts = []
+    for piece in transformers.__version__.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    version = tuple(parts)
+    low, high = SUPPORTED_TRANSFORMERS
+    ok = low <= version < high
+    return ok, transformers.__version__
+
+
+def _mla_candidate(module: nn.Module) -> bool:
+    """Cheap pre-filter: at least three linear children and one RMSNorm-by-computation child."""
+    children = list(module.children())
+    if sum(isinstance(c, nn.Linear) for c in children) < 3:
+        return False
+    return any(rmsnorm_width(c) for c in children if not isinstance(c, nn.Linear))
+
+
+def _capture_inputs(model: nn.Module, names: list[str]) -> dict[str, tuple[tuple, dict]]:
+    """Run one tiny forward (3 tokens, no cache) and record each candidate's first call arguments."""
+    captured: dict[str, tuple[tuple, dict]] = {}
+    param = next(model.parameters(), None)
+    if param is None or param.device.type == "meta" or not hasattr(model, "get_input_embeddings"):
+        return captured
+    hooks = []
+    for name in names:
+        def hook(mod, args, kwargs, name=name):
+            captured.setdefault(name, (args, dict(kwargs)))
+        hooks.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        device = model.get_input_embeddings().weight.device
+        vocab = model.get_input_embeddings().weight.shape[0]
+        ids = torch.arange(1, 4, device=device).clamp(max=vocab - 1).view(1, 3)
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+        model.train(was_training)
+    except Exception:  # capture is best effort: matching falls back to annotation-driven traces
+        pass
+    finally:
+        for h in hooks:
+            h.remove()
+    return captured
+
+
+def _switch_attention(model: nn.Module, report: FusionReport) -> bool:
+    config = getattr(model, "config", None)
+    if config is None:
+        report.notes.append("model has no config: attention implementation left unchanged")
+        return False
+    if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
+        return True
+    try:
+        model.set_attn_implementation(ATTENTION_NAME)
+    except Exception as exc:
+        report.notes.append(f"could not switch the model to {ATTENTION_NAME}: {exc}")
+        return False
+    return True
+
+
+def fuse(model: nn.Module) -> FusionReport:
+    """Fuse ``model`` in place (idempotent) and return the report, also kept as ``model.fusion_report``."""
+    global _warned_disabled
+    existing = getattr(model, "fusion_report", None)
+    if isinstance(existing, FusionReport) and getattr(model, "_mla_fuser_done", False):
+        return existing
+    report = FusionReport()
+    ok, version = transformers_supported()
+    if not ok:
+        report.notes.append(
+            f"transformers {version} is outside the supported range >=5.17,<6: nothing fused, standard attention"
+        )
+        _attach(model, report)
+        return report
+    if not _switch_attention(model, report):
+        _attach(model, report)
+        return report
+    disabled = mla_disabled()
+    if disabled:
+        report.notes.append("VLLM_MLA_DISABLE=1: MLA fusion disabled, vllm_mla runs padded full attention")
+        if not _warned_disabled:
+            warnings.warn("VLLM_MLA_DISABLE=1: mla-fuser runs padded full attention, no MLA fusion", stacklevel=2)
+            _warned_disabled = True
+    names = [n for n, m in model.named_modules() if n and _mla_candidate(m)]
+    captured = _capture_inputs(model, names) if names else {}
+    for name in names:
+        module = model.get_submodule(name)
+        if getattr(module, PLAN_ATTR, None) is not None:
+            report.rows.append(FusionRow(name, type(module).__name__, "mla", "fused", "already fused"))
+            continue
+        example = captured.get(name)
+        if names and captured and example is None:
+            # not called in a forward of the model (e.g. a draft head): no inputs to trace with
+            continue
+        match, reason = MLAFuser.explain(module, example)
+        if match is None:
+            if "KV chain" in reason or "attention call" in reason or "linear" in reason:
+                report.rows.append(FusionRow(name, type(module).__name__, "mla", "fallback", f"not MLA: {reason}"))
+            else:
+                report.rows.append(FusionRow(name, type(module).__name__, "mla", "fallback", reason))
+            continue
+        if disabled:
+            report.rows.append(FusionRow(name, type(module).__name__, "mla", "fallback", "VLLM_MLA_DISABLE=1"))
+            continue
+        report.rows.append(apply_mla(module, match, name))
+    if not report.fused("mla") and not disabled:
+        report.notes.append("no MLA module fused: every attention call runs padded full attention")
+    _attach(model, report)
+    object.__setattr__(model, "_mla_fuser_done", True)
+    return report
+
+
+def _attach(model: nn.Module, report: FusionReport) -> None:
+    object.__setattr__(model, "fusion_report", report)

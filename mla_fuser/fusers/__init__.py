@@ -1,0 +1,6 @@
+"""Fusers, one per block kind.  ``match(module)`` works on any ``nn.Module`` by structure."""
+
+from .base import Fuser, FusionReport, FusionRow
+from .mla import MLAFuser, MLAMatch
+
+__all__ = ["Fuser", "FusionReport", "FusionRow", "MLAFuser", "MLAMatch"]

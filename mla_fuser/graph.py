@@ -1,0 +1,599 @@
+"""torch.fx tracing of one module's forward, with meta-tensor shapes, plus structural queries.
+
+Why a custom tracer: Hugging Face forwards read shapes (``hidden_states.shape[:-1]``, ``*x.shape[:-1]``)
+and unpack tuples; plain symbolic tracing fails on those.  ``MetaTracer`` attaches a meta tensor (shape and
+dtype, no data) to every node it creates, computed by running the op on meta inputs, so shape queries get
+concrete answers.  The graph is used for *analysis only* (finding roles and data flow); it is never run.
+
+Rules of the trace:
+* every child module is a leaf (one ``call_module`` node; its output shape comes from running the child
+  with meta copies of its parameters);
+* the attention-interface call is one opaque node: while tracing, the module's config is pointed at a
+  tracing-only interface registered in ``AttentionInterface`` (``TRACE_ATTENTION_NAME``); the previous value
+  is restored in a ``finally`` block, even when tracing fails.  ``F.scaled_dot_product_attention`` called
+  directly is recorded as a single node too, and also counts as the attention call;
+* inputs: the first forward argument is the hidden states (a meta tensor); arguments annotated as a
+  transformers ``Cache`` and other arguments without a tensor annotation are passed concretely (their
+  default); tensor-like arguments are "wildcards" whose meta value is a 0-d tensor, which broadcasts through
+  element-wise code (rotary embeddings) without inventing a shape.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dis
+import inspect
+import operator
+import typing
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+TRACE_ATTENTION_NAME = "mla_fuser_trace"
+
+# ops that only move or re-view data: data flow "through" them keeps the same tensor identity for our purposes
+SHAPE_OPS_METHODS = {
+    "view", "reshape", "transpose", "permute", "contiguous", "to", "float", "half", "bfloat16", "type",
+    "flatten", "unflatten", "unsqueeze", "squeeze", "expand", "split", "chunk", "narrow", "clone", "type_as",
+}
+SHAPE_OPS_FUNCTIONS = {
+    torch.split, torch.chunk, torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.unsqueeze,
+    torch.squeeze, torch.narrow, operator.getitem,
+}
+
+
+class TraceError(RuntimeError):
+    """The module's forward could not be traced; the reason is the message."""
+
+
+def _meta_of(value):
+    """Replace proxies by their meta values (None when unknown) inside nested args."""
+    if isinstance(value, fx.Proxy):
+        return value.node.meta.get("val", None)
+    if isinstance(value, fx.Node):
+        return value.meta.get("val", None)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_meta_of(v) for v in value) if not hasattr(value, "_fields") else value
+    if isinstance(value, dict):
+        return {k: _meta_of(v) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(_meta_of(value.start), _meta_of(value.stop), _meta_of(value.step))
+    return value
+
+
+def _contains_unknown(meta_args) -> bool:
+    if meta_args is None:
+        return True
+    if isinstance(meta_args, (list, tuple)):
+        return any(_contains_unknown(v) for v in meta_args)
+    if isinstance(meta_args, dict):
+        return any(_contains_unknown(v) for v in meta_args.values())
+    return False
+
+
+def _has_wildcard(meta_args) -> bool:
+    if isinstance(meta_args, torch.Tensor):
+        return meta_args.ndim == 0 and meta_args.device.type == "meta"
+    if isinstance(meta_args, (list, tuple)):
+        return any(_has_wildcard(v) for v in meta_args)
+    if isinstance(meta_args, dict):
+        return any(_has_wildcard(v) for v in meta_args.values())
+    return False
+
+
+class MetaProxy(fx.Proxy):
+    """A proxy that answers shape/dtype queries from the meta tensor attached to its node."""
+
+    _CONCRETE_ATTRS = ("shape", "dtype", "ndim", "is_complex", "is_floating_point")
+
+    @property
+    def meta(self):
+        return self.node.meta.get("val", None)
+
+    def __getattr__(self, name):
+        meta = self.node.meta.get("val", None)
+        if isinstance(meta, torch.Tensor):
+            if name in ("shape", "dtype", "ndim"):
+                return getattr(meta, name)
+            if name == "device":
+                return meta.device
+            if name in ("size", "dim", "numel", "is_complex", "is_floating_point", "element_size"):
+                return getattr(meta, name)
+        return super().__getattr__(name)
+
+    def __len__(self):
+        meta = self.meta
+        if isinstance(meta, (torch.Tensor, tuple, list)):
+            return len(meta)
+        raise TraceError("len() of a value of unknown shape")
+
+    def __iter__(self):
+        meta = self.meta
+        if isinstance(meta, (tuple, list)):
+            return iter([self[i] for i in range(len(meta))])
+        if isinstance(meta, torch.Tensor) and meta.ndim > 0:
+            return iter([self[i] for i in range(meta.shape[0])])
+        # unknown length: only ``a, b = proxy`` can be traced (the caller's bytecode says how many)
+        caller = inspect.currentframe().f_back
+        instructions = list(dis.get_instructions(caller.f_code))
+        index = bisect.bisect_left(instructions, caller.f_lasti, key=lambda ins: ins.offset)
+        if index < len(instructions) and instructions[index].opname == "UNPACK_SEQUENCE":
+            return iter([self[i] for i in range(instructions[index].argval)])
+        raise TraceError("iteration over a value of unknown length")
+
+    def __bool__(self):
+        raise TraceError("data-dependent control flow (bool() of a traced tensor)")
+
+    def __index__(self):
+        raise TraceError("data-dependent integer (index of a traced tensor)")
+
+
+class MetaTracer(fx.Tracer):
+    """fx tracer with every child module a leaf and meta-tensor shapes on every node."""
+
+    def __init__(self, root: nn.Module):
+        super().__init__()
+        self.root_module = root
+        self.placeholder_meta: dict[str, object] = {}
+        self._meta_params: dict[int, dict[str, torch.Tensor]] = {}
+        self._computing_meta = False
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        # ``*args`` / ``**kwargs`` of the forward become empty containers, not proxies: HF forwards pass
+        # ``**kwargs`` straight on (to the attention call), which fx cannot expand from a proxy.
+        root_fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+        args = list(args)
+        for i, arg in enumerate(args):
+            if isinstance(arg, fx.Proxy) and arg.node.op == "placeholder" and str(arg.node.target).startswith("*"):
+                empty = {} if str(arg.node.target).startswith("**") else ()
+                self.graph.erase_node(arg.node)
+                args[i] = empty
+        return root_fn, args
+
+    def call_module(self, m, forward, args, kwargs):
+        # While a leaf's meta output is computed, fx's patched ``Module.__call__`` is still active: run the
+        # module plainly instead of recording it a second time.
+        if self._computing_meta:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return MetaProxy(node, self)
+
+    def _meta_state(self, mod: nn.Module) -> dict[str, torch.Tensor]:
+        key = id(mod)
+        if key not in self._meta_params:
+            state = {}
+            for name, t in list(mod.named_parameters()) + list(mod.named_buffers()):
+                state[name] = torch.empty_like(t, device="meta")
+            self._meta_params[key] = state
+        return self._meta_params[key]
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        node = proxy.node
+        self._computing_meta = True
+        try:
+            node.meta["val"] = self._compute_meta(kind, target, args, kwargs)
+        except Exception:
+            # An op on a wildcard input (a 0-d stand-in for an input of unknown shape) that 0-d cannot
+            # satisfy (``unsqueeze(1)``, indexing) stays a wildcard; anything else becomes unknown.
+            node.meta["val"] = _wildcard() if _has_wildcard(_meta_of((args, kwargs))) else None
+        finally:
+            self._computing_meta = False
+        return proxy
+
+    def _compute_meta(self, kind, target, args, kwargs):
+        if kind == "placeholder":
+            return self.placeholder_meta.get(target, None)
+        if kind == "output":
+            return None
+        if kind == "get_attr":
+            obj = self.root_module
+            for part in target.split("."):
+                obj = getattr(obj, part)
+            return torch.empty_like(obj, device="meta") if isinstance(obj, torch.Tensor) else obj
+        meta_args, meta_kwargs = _meta_of(args), _meta_of(kwargs)
+        if kind == "call_function" and target is _opaque_attention:
+            return _opaque_attention_meta(*meta_args, **meta_kwargs)
+        if kind == "call_function" and target is operator.getitem and isinstance(meta_args[0], (tuple, list)):
+            return meta_args[0][meta_args[1]]
+        if _contains_unknown(list(meta_args)) or _contains_unknown(meta_kwargs):
+            return None
+        with torch.no_grad():
+            if kind == "call_module":
+                mod = self.root_module.get_submodule(target)
+                return torch.func.functional_call(mod, self._meta_state(mod), tuple(meta_args), meta_kwargs)
+            if kind == "call_method":
+                self_obj, *rest = meta_args
+                return getattr(self_obj, target)(*rest, **meta_kwargs)
+            if kind == "call_function":
+                return target(*meta_args, **meta_kwargs)
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the opaque attention node
+
+
+def _opaque_attention(query, key, value, attention_mask, **kwargs):  # pragma: no cover - never executed
+    """Stand-in target of the attention-call node; the graph is analysed, never run."""
+    raise RuntimeError("mla_fuser tracing placeholder must not be executed")
+
+
+def _opaque_attention_meta(query, key, value, attention_mask=None, **kwargs):
+    if not (isinstance(query, torch.Tensor) and isinstance(value, torch.Tensor)):
+        return None
+    batch, heads, q_len, _ = query.shape
+    out = torch.empty(batch, q_len, heads, value.shape[-1], device="meta", dtype=query.dtype)
+    return (out, None)
+
+
+def _tracing_attention_interface(module, query, key, value, attention_mask, **kwargs):
+    """Registered under ``TRACE_ATTENTION_NAME``: emits one opaque node when called with proxies."""
+    if isinstance(query, fx.Proxy):
+        tracer = query.tracer
+        kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, nn.Module)}
+        out = tracer.create_proxy("call_function", _opaque_attention, (query, key, value, attention_mask), kwargs)
+        return out[0], None
+    raise RuntimeError(f"the '{TRACE_ATTENTION_NAME}' attention implementation exists only for tracing")
+
+
+def register_tracing_interface() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(TRACE_ATTENTION_NAME, _tracing_attention_interface)
+
+
+@contextlib.contextmanager
+def _attention_traced_opaquely(module: nn.Module):
+    """Point the module's config at the tracing-only interface; restore it whatever happens."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation_internal"):
+        yield
+        return
+    previous = config.__dict__.get("_attn_implementation_internal")
+    config.__dict__["_attn_implementation_internal"] = TRACE_ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config.__dict__["_attn_implementation_internal"] = previous
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tracing entry point
+
+
+def _annotation_mentions(annotation, names: tuple[str, ...]) -> bool:
+    text = annotation if isinstance(annotation, str) else repr(annotation)
+    return any(n in text for n in names)
+
+
+def _is_cache_annotation(annotation) -> bool:
+    if annotation is inspect.Parameter.empty:
+        return False
+    try:
+        from transformers.cache_utils import Cache
+
+        for arg in typing.get_args(annotation) or (annotation,):
+            if isinstance(arg, type) and issubclass(arg, Cache):
+                return True
+    except Exception:
+        pass
+    return _annotation_mentions(annotation, ("Cache",))
+
+
+def _is_tensor_annotation(annotation) -> bool:
+    if annotation is inspect.Parameter.empty:
+        return False
+    return _annotation_mentions(annotation, ("Tensor",))
+
+
+def _wildcard():
+    return torch.empty((), device="meta")
+
+
+@dataclass
+class TracedModule:
+    """A traced forward: the graph, the root module and the hidden-states placeholder."""
+
+    module: nn.Module
+    graph: fx.Graph
+    hidden: fx.Node
+    hidden_size: int
+    nodes_by_module: dict[str, list[fx.Node]] = field(default_factory=dict)
+
+    def submodule(self, node: fx.Node) -> nn.Module | None:
+        if node.op != "call_module":
+            return None
+        return self.module.get_submodule(node.target)
+
+    @property
+    def output(self) -> fx.Node:
+        return next(n for n in self.graph.nodes if n.op == "output")
+
+    def attention_nodes(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if is_attention_node(n)]
+
+
+def _undecorated_view(module: nn.Module) -> nn.Module:
+    """The same module seen through a subclass whose ``forward`` is the class's undecorated function.
+
+    fx cannot trace through ``*args, **kwargs`` wrappers (e.g. keyword-deprecation decorators).  The view
+    shares the instance ``__dict__`` (same children, parameters and attributes); nothing is mutated.
+    """
+    cls = type(module)
+    forward = inspect.unwrap(cls.forward)
+    if forward is cls.forward:
+        return module
+    view_cls = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+    view = object.__new__(view_cls)
+    object.__setattr__(view, "__dict__", module.__dict__)
+    return view
+
+
+def to_meta(value):
+    """Meta copies (shape and dtype only) of the tensors inside a nested value; other values unchanged."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, device="meta")
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_meta(v) for k, v in value.items()}
+    return value
+
+
+def _has_tensor(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    return False
+
+
+def trace_module(module: nn.Module, hidden_size: int | None = None, seq_len: int = 3, dtype=torch.float32,
+                 example_inputs: tuple[tuple, dict] | None = None) -> TracedModule:
+    """Trace ``module.forward``.
+
+    With ``example_inputs`` (the ``(args, kwargs)`` of one real call, e.g. captured by a forward pre-hook)
+    every tensor input gets a meta value of its real shape and everything else is passed concretely.
+    Without them the first argument is a meta hidden-states tensor ``[1, seq_len, hidden_size]`` and the
+    other inputs are inferred from annotations (see the module docstring).
+    """
+    register_tracing_interface()
+    try:
+        signature = inspect.signature(inspect.unwrap(type(module).forward))
+    except (TypeError, ValueError) as exc:
+        raise TraceError(f"forward has no readable signature: {exc}") from exc
+    params = [p for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    params = params[1:] if params and params[0].name == "self" else params
+    if not params:
+        raise TraceError("forward takes no input")
+    tracer = MetaTracer(module)
+    concrete_args = {}
+    if example_inputs is not None:
+        args, kwargs = example_inputs
+        bound = {p.name: a for p, a in zip(params, args)}
+        bound.update({k: v for k, v in kwargs.items() if k in {p.name for p in params}})
+        # keyword arguments outside the signature land in ``**kwargs``, which is traced as empty: HF passes
+        # them on to the attention call, which is opaque anyway
+        if params[0].name not in bound or not isinstance(bound[params[0].name], torch.Tensor):
+            raise TraceError("the first forward argument is not a tensor")
+        hidden_size = int(bound[params[0].name].shape[-1])
+        for p in params:
+            value = bound.get(p.name, p.default)
+            if value is inspect.Parameter.empty:
+                raise TraceError(f"no value for forward argument {p.name!r}")
+            if _has_tensor(value):
+                tracer.placeholder_meta[p.name] = to_meta(value)
+            else:
+                concrete_args[p.name] = value
+        return _finish_trace(module, tracer, concrete_args, params[0].name, hidden_size)
+    if hidden_size is None:
+        raise TraceError("hidden size unknown and no example inputs")
+    tracer.placeholder_meta[params[0].name] = torch.empty(1, seq_len, hidden_size, device="meta", dtype=dtype)
+    for p in params[1:]:
+        if _is_cache_annotation(p.annotation):
+            concrete_args[p.name] = None
+        elif _is_tensor_annotation(p.annotation):
+            tracer.placeholder_meta[p.name] = _wildcard()
+        elif p.default is not inspect.Parameter.empty:
+            concrete_args[p.name] = p.default
+        else:
+            tracer.placeholder_meta[p.name] = _wildcard()
+    return _finish_trace(module, tracer, concrete_args, params[0].name, hidden_size)
+
+
+def _finish_trace(module, tracer, concrete_args, hidden_name, hidden_size) -> TracedModule:
+    try:
+        with _attention_traced_opaquely(module):
+            graph = tracer.trace(_undecorated_view(module), concrete_args=concrete_args)
+    except TraceError:
+        raise
+    except Exception as exc:
+        raise TraceError(f"{type(exc).__name__}: {exc}") from exc
+    hidden = next((n for n in graph.nodes if n.op == "placeholder" and n.target == hidden_name), None)
+    if hidden is None:
+        raise TraceError("hidden-states input not found in the traced graph")
+    traced = TracedModule(module, graph, hidden, hidden_size)
+    for n in graph.nodes:
+        if n.op == "call_module":
+            traced.nodes_by_module.setdefault(n.target, []).append(n)
+    return traced
+
+
+# ---------------------------------------------------------------------------------------------------------
+# structural queries
+
+
+def is_attention_node(node: fx.Node) -> bool:
+    return node.op == "call_function" and (
+        node.target is _opaque_attention or node.target is torch.nn.functional.scaled_dot_product_attention
+    )
+
+
+def is_linear(module: nn.Module | None) -> bool:
+    """A linear projection: ``nn.Linear`` or a subclass (quantised/parallel linears subclass it too)."""
+    return isinstance(module, nn.Linear)
+
+
+def is_shape_op(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in SHAPE_OPS_METHODS
+    if node.op == "call_function":
+        return node.target in SHAPE_OPS_FUNCTIONS
+    return False
+
+
+def meta_val(node: fx.Node):
+    return node.meta.get("val", None)
+
+
+def _input_nodes(node: fx.Node) -> list[fx.Node]:
+    return list(node.all_input_nodes)
+
+
+def source_through_shape_ops(node: fx.Node) -> fx.Node:
+    """Follow the first tensor input back through view/split/getitem/cast ops to the producing op."""
+    seen = set()
+    while is_shape_op(node) and node not in seen:
+        seen.add(node)
+        inputs = _input_nodes(node)
+        if not inputs:
+            break
+        node = inputs[0]
+    return node
+
+
+def nearest_downstream(traced: TracedModule, start: fx.Node, predicate) -> list[fx.Node]:
+    """Nodes matching ``predicate`` reachable from ``start`` along users without passing through another
+    match or the attention call; the first layer of matches (breadth first)."""
+    found, frontier, seen = [], list(start.users), set()
+    while frontier:
+        nxt = []
+        for node in frontier:
+            if node in seen:
+                continue
+            seen.add(node)
+            if is_attention_node(node) or node.op == "output":
+                continue
+            if predicate(node):
+                found.append(node)
+                continue
+            nxt.extend(node.users)
+        if found:
+            return found
+        frontier = nxt
+    return found
+
+
+def nearest_upstream(traced: TracedModule, start: fx.Node, predicate) -> list[fx.Node]:
+    """Nodes matching ``predicate`` reachable backwards from ``start`` without passing the attention call."""
+    found, frontier, seen = [], _input_nodes(start), set()
+    while frontier:
+        nxt = []
+        for node in frontier:
+            if node in seen:
+                continue
+            seen.add(node)
+            if is_attention_node(node):
+                continue
+            if predicate(node):
+                found.append(node)
+                continue
+            nxt.extend(_input_nodes(node))
+        if found:
+            return found
+        frontier = nxt
+    return found
+
+
+def reaches(start: fx.Node, target: fx.Node, stop=None) -> bool:
+    """True when data flows from ``start`` to ``target`` (optionally not through nodes where ``stop``)."""
+    frontier, seen = [start], set()
+    while frontier:
+        node = frontier.pop()
+        if node is target:
+            return True
+        if node in seen:
+            continue
+        seen.add(node)
+        if node is not start and stop is not None and stop(node):
+            continue
+        frontier.extend(node.users)
+    return False
+
+
+def linear_feeding_output(traced: TracedModule) -> fx.Node | None:
+    """The single linear nearest to the forward's output (the output projection), or None."""
+    out = traced.output
+    lin = nearest_upstream(traced, out, lambda n: is_linear(traced.submodule(n)))
+    lin = list(dict.fromkeys(lin))
+    return lin[0] if len(lin) == 1 else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RMSNorm by computation
+
+_RMSNORM_CACHE: dict[tuple, int | None] = {}
+
+
+def _single_weight(module: nn.Module) -> torch.Tensor | None:
+    params = list(module.parameters(recurse=False))
+    if len(list(module.children())) or len(params) != 1 or params[0].ndim != 1:
+        return None
+    return params[0]
+
+
+def rmsnorm_width(module: nn.Module | None) -> int | None:
+    """Width of an RMSNorm-like module, recognised by what it computes, not by its name.
+
+    Accepts ``x * rsqrt(mean(x**2, -1) + eps) * weight`` (any casts, ``x*x`` or ``pow``, ``1/sqrt`` or
+    ``rsqrt``, weight or ``1 + weight``), ``F.rms_norm`` and ``nn.RMSNorm``.  Rejects anything that
+    subtracts a mean (LayerNorm) or has more than the one 1-D weight.
+    """
+    if module is None:
+        return None
+    weight = _single_weight(module)
+    if weight is None:
+        return None
+    key = (type(module), tuple(weight.shape))
+    if key in _RMSNORM_CACHE:
+        return _RMSNORM_CACHE[key]
+    width = int(weight.shape[0])
+    result = width if _computes_rmsnorm(module, width) else None
+    _RMSNORM_CACHE[key] = result
+    return result
+
+
+def _computes_rmsnorm(module: nn.Module, width: int) -> bool:
+    if isinstance(module, nn.RMSNorm):
+        return True
+    try:
+        traced = trace_module(module, width)
+    except TraceError:
+        return False
+    nodes = list(traced.graph.nodes)
+    if any(n.op == "call_function" and n.target is torch.nn.functional.rms_norm for n in nodes):
+        return True
+
+    def name(n):
+        return n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
+
+    means = [n for n in nodes if n.op in ("call_method", "call_function") and name(n) == "mean"]
+    has_square = any(
+        (name(n) == "pow" and len(n.args) > 1 and n.args[1] == 2)
+        or (name(n) in ("mul",) and len(n.args) == 2 and n.args[0] is n.args[1])
+        or name(n) == "square"
+        for n in nodes
+    )
+    has_rsqrt = any(name(n) in ("rsqrt", "sqrt") for n in nodes)
+    subtracts = any(name(n) in ("sub", "var", "layer_norm") for n in nodes)
+    uses_weight = any(n.op == "get_attr" for n in nodes)
+    return bool(means) and has_square and has_rsqrt and uses_weight and not subtracts

@@ -1,0 +1,632 @@
+"""Absorbed MLA decode attention over a paged latent KV cache.
+
+MLA (DeepSeek-V2/V3) caches one latent row per token, ``[kv_c | k_pe]`` of width
+``D = kv_lora_rank + rope_dim`` (512 + 64 = 576), shared by *all* heads.  With the up-projections
+absorbed into the query (``q = [q_nope @ W_UK | q_pe]``) and into the output projection, decode
+attention is multi-query attention with a wide head::
+
+    score[b, h, t] = scale * <q[b, h], kv[b, t]>          (all D columns)
+    out[b, h]      = softmax_t(score[b, h]) @ kv[b, :, :v_dim]   (the kv_c columns only)
+
+so the value is the first ``v_dim`` columns of the key.  The cache is the only large operand: at
+H=16 the kernel does ~30 FLOP per byte read (memory bound on any GPU), at H=128 ~240 FLOP/byte
+(around the H200's ridge point).  The design therefore has one goal above all others: **read every
+cache byte exactly once per (sequence, KV split) and keep enough of those reads in flight**.
+
+Triton design (``_mla_decode_stage1`` + ``_mla_decode_stage2``)
+---------------------------------------------------------------
+* One program = (tile of ``BLOCK_H`` heads, one KV split, one sequence).  Every head of the tile
+  uses each latent tile that is loaded, so with ``BLOCK_H >= H`` the cache is streamed once; the
+  head-tile index is grid axis 0 (fastest varying), so programs that share a (sequence, split) run
+  together and a second head tile (H=128, ``BLOCK_H=64``) mostly re-reads from L2, not HBM.
+  ``tl.dot`` needs M >= 16, so fewer heads than 16 are padded to a 16-row tile (masked rows).
+* The program walks its split in ``BLOCK_N``-token tiles.  When ``BLOCK_N`` divides ``page_size`` a
+  tile lies inside one page: one block-table lookup per tile and ``BLOCK_N * D`` contiguous
+  elements, which gives wide coalesced loads.  Otherwise (odd page sizes such as 1) each token row
+  looks its page up on its own (``PER_ROW_PAGES``), slower but general.
+* D = 576 is not a power of two.  Instead of padding to 1024 columns (78% wasted loads and MMA
+  work) the dot is split: the ``v_dim`` part (512, power of two, which is also the value) and the
+  rope part (64).  Other dims are padded to powers of two and masked (``EVEN_V``/``EVEN_R``
+  constexprs keep the masks out of the real 512+64 case); ``rope_dim == 0`` drops the second dot.
+* Online softmax in base 2 (``scale * log2(e)`` folded into the scores), fp32 statistics and
+  accumulator; ``p`` is cast to the cache dtype for the ``p @ V`` tensor-core dot (the usual flash
+  attention trade-off).  fp32 inputs use ``input_precision="ieee"`` so they stay exact(ish) instead
+  of tf32.
+* Split-KV for occupancy: decode batches are small, so ``B * ceil(H / BLOCK_H)`` programs do not
+  fill 132 SMs.  Each sequence's tiles are divided evenly into ``num_splits`` chunks; stage 1 writes
+  a normalised partial output ``[B, H, S, v_dim]`` and its log-sum-exp ``[B, H, S]`` (fp32, base 2),
+  stage 2 merges them.  Splits that get no tokens (short sequences in a ragged batch, or
+  ``seq_len == 0``) write ``lse = -inf`` and a zero partial, so they weigh nothing and never make
+  NaN.  With one split, stage 1 writes the final output directly and stage 2 is skipped.
+* ``num_splits=None`` picks the smallest split count that gives >= ~2 waves of programs over the
+  SMs at good wave efficiency, never more splits than pages of the longest possible sequence
+  (``block_table.shape[1]``) and never fewer than ``MIN_TILES_PER_SPLIT`` tiles per split (a program
+  needs a few tiles to fill its software pipeline).  It uses only host-side shapes, so it needs no
+  device sync and is CUDA-graph safe (the grid does not depend on ``seq_lens`` values).
+
+The op is also registered as ``torch.ops.mla_fuser.mla_decode`` (a ``torch.library`` custom op with
+a fake implementation) so torch.compile and CUDA-graph capture treat it as one opaque node.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .dispatch import triton_available, triton_interpreting, use_triton
+
+__all__ = [
+    "MLADecodeConfig",
+    "default_config",
+    "choose_num_splits",
+    "mla_decode",
+    "mla_decode_ref",
+    "mla_decode_triton",
+]
+
+_LOG2E = 1.4426950408889634
+
+# A split needs a few tiles so that its software pipeline fills and its fixed costs (q load, partial
+# store) amortise: 4 tiles of 64 tokens = 256 tokens = 295 KB of bf16 cache per program at D=576.
+MIN_TILES_PER_SPLIT = 4
+# Programs to aim for, in multiples of the SM count (see choose_num_splits).
+TARGET_WAVES = 2
+
+
+# --------------------------------------------------------------------------------------------
+# Torch reference
+# --------------------------------------------------------------------------------------------
+
+
+def mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim):
+    """Torch reference (and the CPU path): gathers the pages densely and computes in fp32.
+
+    Vectorised over the batch (padded to the longest possible sequence, ``block_table.shape[1]``
+    pages) so it needs no host sync; block-table entries past a sequence's last page are replaced
+    by page 0 before indexing, so garbage there (e.g. -1) is never dereferenced, and their tokens are
+    masked out.  Sequences of length 0 give zeros.
+    """
+    B, H, D = q.shape
+    page_size = kv_pages.shape[1]
+    max_pages = block_table.shape[1]
+    if B == 0 or max_pages == 0:
+        return q.new_zeros(B, H, v_dim)
+    seq_lens = seq_lens.to(device=q.device, dtype=torch.long)
+    bt = block_table.to(device=q.device, dtype=torch.long)
+    n_pages = (seq_lens + page_size - 1) // page_size
+    page_idx = torch.arange(max_pages, device=q.device)
+    bt = torch.where(page_idx[None, :] < n_pages[:, None], bt, torch.zeros_like(bt))
+    kv = kv_pages[bt].reshape(B, max_pages * page_size, D).float()  # [B, Lmax, D]
+    tok = torch.arange(max_pages * page_size, device=q.device)
+    valid = tok[None, :] < seq_lens[:, None]  # [B, Lmax]
+    kv = kv.masked_fill(~valid[..., None], 0.0)  # garbage rows (maybe NaN) must not reach p @ V
+    s = torch.einsum("bhd,btd->bht", q.float(), kv) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)  # exp(-inf) = 0 for masked tokens
+    denom = p.sum(dim=-1, keepdim=True)
+    out = torch.einsum("bht,btv->bhv", p, kv[..., :v_dim])
+    out = torch.where(denom > 0, out / denom.clamp_min(1e-30), torch.zeros_like(out))
+    return out.to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+if triton_available():
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover - depends on the installation
+    triton = None
+    tl = None
+
+
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+def _sum_combine(a, b):
+    return a + b
+
+
+if triton is not None:
+    # Kernels here use only core builtins plus tl.reduce with these combine functions, never the
+    # @jit helpers of triton.language.standard (tl.sum/max/cdiv/zeros): triton 3.x decorates
+    # those when triton is *imported*, so if triton was imported without TRITON_INTERPRET=1 they
+    # raise "Cannot call @triton.jit'd outside of the scope of a kernel" under the interpreter.
+    # The interpreter recognises the standard combine functions by identity and reduces with numpy
+    # without calling them, so reusing them keeps interpreted runs fast; our own (slow under the
+    # interpreter, identical when compiled) stand in if a Triton version renames them.
+    _MAX_COMBINE = getattr(tl.standard, "_elementwise_max", None) or triton.jit(_max_combine)
+    _SUM_COMBINE = getattr(tl.standard, "_sum_combine", None) or triton.jit(_sum_combine)
+
+
+class _LazyJit:
+    """``triton.jit`` applied at first launch, once per interpreter mode.
+
+    ``triton.jit`` decides at *decoration* time whether it builds a compiled ``JITFunction`` or an
+    ``InterpretedFunction`` (it reads ``TRITON_INTERPRET`` then, in triton 3.x).  Decorating lazily,
+    keyed by the current mode, means the interpreter flag only has to be set before the first call
+    (e.g. with ``monkeypatch.setenv`` inside a test), not before this module is imported.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._compiled = {}
+        functools.update_wrapper(self, fn)
+
+    def _get(self):
+        mode = triton_interpreting()
+        k = self._compiled.get(mode)
+        if k is None:
+            k = self._compiled[mode] = triton.jit(self.fn)
+        return k
+
+    def __getitem__(self, grid):
+        return self._get()[grid]
+
+
+def _stage1(
+    Q,
+    KV,
+    BT,
+    SEQ_LENS,
+    O_PART,
+    LSE,
+    OUT,
+    qk_scale,  # scale * log2(e)
+    H,
+    V_DIM,
+    ROPE_DIM,
+    NUM_SPLITS,
+    stride_qb,
+    stride_qh,
+    stride_kvp,
+    stride_kvt,
+    stride_btb,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    EVEN_V: tl.constexpr,
+    EVEN_R: tl.constexpr,
+    PER_ROW_PAGES: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2)
+
+    seq_len = tl.load(SEQ_LENS + b)
+    n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (n_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    t_start = pid_s * tiles_per_split * BLOCK_N
+    t_end = tl.minimum(t_start + tiles_per_split * BLOCK_N, seq_len)
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_N)
+    if EVEN_V:
+        mask_v = offs_v < BLOCK_V  # all true, folded away
+    else:
+        mask_v = offs_v < V_DIM
+    if EVEN_R:
+        mask_r = offs_r < BLOCK_R
+    else:
+        mask_r = offs_r < ROPE_DIM
+
+    q_row = Q + b * stride_qb + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_row + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0)
+    if HAS_ROPE:
+        q_pe = tl.load(q_row + V_DIM + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+        if DOT_UPCAST:
+            q_pe = q_pe.to(tl.float32)
+    if DOT_UPCAST:
+        q_nope = q_nope.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_H, BLOCK_V], 0.0, dtype=tl.float32)
+
+    bt_row = BT + b.to(tl.int64) * stride_btb
+    for start in range(t_start, t_end, BLOCK_N):
+        tok = start + offs_n
+        mask_n = tok < t_end
+        if PER_ROW_PAGES:
+            page = tl.load(bt_row + tok // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+            rows = page * stride_kvp + (tok % PAGE_SIZE) * stride_kvt
+        else:
+            # BLOCK_N divides PAGE_SIZE: the whole tile is one contiguous run inside one page.
+            page = tl.load(bt_row + start // PAGE_SIZE).to(tl.int64)
+            rows = page * stride_kvp + ((start % PAGE_SIZE) + offs_n) * stride_kvt
+        kv_ptr = KV + rows[:, None]
+        if EVEN_V:  # row mask only: constant along the contiguous columns, so loads stay 16 B wide
+            kv = tl.load(kv_ptr + offs_v[None, :], mask=mask_n[:, None], other=0.0)
+        else:
+            kv = tl.load(kv_ptr + offs_v[None, :], mask=mask_n[:, None] & mask_v[None, :], other=0.0)
+        p_dtype = kv.dtype
+        if DOT_UPCAST:
+            kv = kv.to(tl.float32)
+        s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
+        if HAS_ROPE:
+            if EVEN_R:
+                k_pe = tl.load(kv_ptr + V_DIM + offs_r[None, :], mask=mask_n[:, None], other=0.0)
+            else:
+                k_pe = tl.load(kv_ptr + V_DIM + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+            if DOT_UPCAST:
+                k_pe = k_pe.to(tl.float32)
+            s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=DOT_PRECISION)
+        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+        # Every tile has >= 1 valid token, so m_new is finite and alpha = exp2(-inf) = 0 at first.
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX_COMBINE))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _SUM_COMBINE)
+        acc = acc * alpha[:, None]
+        p = p.to(p_dtype)  # the cache dtype: bf16/fp16 tensor-core operand
+        if DOT_UPCAST:
+            p = p.to(tl.float32)
+        acc = tl.dot(p, kv, acc=acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_tok = l_i > 0.0
+    inv_l = tl.where(has_tok, 1.0 / tl.where(has_tok, l_i, 1.0), 0.0)
+    out = acc * inv_l[:, None]  # empty split / empty sequence -> exact zeros
+    store_mask = mask_h[:, None] & mask_v[None, :]
+    if DIRECT_OUT:
+        o_ptr = OUT + b * stride_ob + offs_h[:, None] * stride_oh + offs_v[None, :]
+        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=store_mask)
+    else:
+        o_ptr = O_PART + b * stride_pb + offs_h[:, None] * stride_ph + pid_s * stride_ps + offs_v[None, :]
+        tl.store(o_ptr, out, mask=store_mask)
+        lse = tl.where(has_tok, m_i + tl.log2(tl.where(has_tok, l_i, 1.0)), float("-inf"))
+        tl.store(LSE + b * stride_lb + offs_h * stride_lh + pid_s, lse, mask=mask_h)
+
+
+def _stage2(
+    O_PART,
+    LSE,
+    OUT,
+    V_DIM,
+    NUM_SPLITS,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    BLOCK_S: tl.constexpr,
+    BLOCK_VC: tl.constexpr,
+):
+    """Merge the split partials of one (sequence, head, v-chunk) with their log-sum-exps."""
+    pid_v = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_v = pid_v * BLOCK_VC + tl.arange(0, BLOCK_VC)
+    mask_v = offs_v < V_DIM
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_row = LSE + b * stride_lb + h * stride_lh
+
+    m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        lse = tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < NUM_SPLITS, other=float("-inf"))
+        m = tl.maximum(m, lse)
+    m_max = tl.reduce(m, 0, _MAX_COMBINE)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty -> weights all 0
+
+    denom = tl.full([BLOCK_S], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_VC], 0.0, dtype=tl.float32)
+    o_row = O_PART + b * stride_pb + h * stride_ph
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        ss = s0 + offs_s
+        ms = ss < NUM_SPLITS
+        lse = tl.load(lse_row + ss, mask=ms, other=float("-inf"))
+        w = tl.exp2(lse - m_max)  # empty split: exp2(-inf) = 0, and its partial is 0 too
+        denom += w
+        o = tl.load(o_row + ss[:, None] * stride_ps + offs_v[None, :], mask=ms[:, None] & mask_v[None, :], other=0.0)
+        acc += tl.reduce(w[:, None] * o, 0, _SUM_COMBINE)
+    d = tl.reduce(denom, 0, _SUM_COMBINE)
+    out = tl.where(d > 0.0, acc / tl.where(d > 0.0, d, 1.0), 0.0)
+    tl.store(OUT + b * stride_ob + h * stride_oh + offs_v, out.to(OUT.dtype.element_ty), mask=mask_v)
+
+
+if triton is not None:
+    _mla_decode_stage1 = _LazyJit(_stage1)
+    _mla_decode_stage2 = _LazyJit(_stage2)
+else:  # pragma: no cover
+    _mla_decode_stage1 = _mla_decode_stage2 = None
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """Tile/launch knobs of the Triton kernel.  None of them changes the math (only fp rounding
+    order of the softmax accumulation), so they are safe to sweep/pick per GPU.
+
+    * ``block_h``: heads per program (>= 16 for tl.dot; fewer heads are masked).  Larger tiles
+      re-read the cache fewer times (H / block_h times per split) but need more registers
+      (fp32 accumulator block_h x v_dim).
+    * ``block_n``: tokens per tile; clipped to a divisor of ``page_size`` when possible.
+    * ``num_warps`` / ``num_stages``: Triton launch params; ``num_stages`` is the software-pipeline
+      depth (cache tiles in flight per program, each ``block_n * D * elem`` bytes of shared memory).
+    """
+
+    block_h: int = 16
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_config(num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
+    """Defaults for Hopper (H100/H200), D=576.
+
+    * H <= 16 (memory bound): one 16-head tile, so the cache is read once; BLOCK_N=64 tokens x 576
+      x bf16 = 72 KB per tile, two pipeline stages = 144 KB of the 227 KB shared memory (three would
+      not fit next to the layout-conversion scratch), which keeps ~2 tiles of loads in flight per SM.
+    * larger H (toward compute bound): 64-head tiles with 8 warps (two warpgroups, so Hopper's
+      wgmma can be used and the 64 x 512 fp32 accumulator is 128 registers/thread); the cache is
+      re-read H/64 times, mostly from L2 because the head tiles of a split are adjacent programs.
+    * fp32 inputs: tiles twice as wide in bytes, so BLOCK_N=32.
+    These are starting points: ``benchmarks/bench_mla_decode_kernel.py --sweep`` measures others.
+    """
+    block_n = 64 if torch.empty((), dtype=dtype).element_size() <= 2 else 32
+    if num_heads <= 16:
+        return MLADecodeConfig(block_h=16, block_n=block_n, num_warps=4, num_stages=2)
+    if num_heads <= 32:
+        return MLADecodeConfig(block_h=32, block_n=block_n, num_warps=4, num_stages=2)
+    return MLADecodeConfig(block_h=64, block_n=block_n, num_warps=8, num_stages=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int | None) -> int:
+    if torch.cuda.is_available() and device_index is not None:
+        return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return 132  # H100/H200 SXM; only affects how the work is split, never the result
+
+
+def _tile_n(block_n: int, page_size: int) -> tuple[int, bool]:
+    """BLOCK_N for this page size and whether rows must look their page up one by one."""
+    block_n = max(16, triton.next_power_of_2(block_n))
+    if page_size % block_n == 0:
+        return block_n, False
+    if page_size >= 16 and page_size & (page_size - 1) == 0:
+        return page_size, False  # power-of-two page smaller than the tile: tile = page
+    return block_n, True
+
+
+def choose_num_splits(
+    batch: int, head_tiles: int, max_pages: int, page_size: int, block_n: int, num_sms: int = 132
+) -> int:
+    """Split count so that ``batch * head_tiles * splits`` programs fill the GPU.
+
+    Chooses the smallest S with at least ``TARGET_WAVES`` x SMs programs, or else the S <= cap with
+    the best wave efficiency (programs / (waves * SMs)).  Capped by the pages of the longest
+    sequence the block table can hold (more splits than pages only adds empty programs) and by
+    ``MIN_TILES_PER_SPLIT`` tiles per split.  Depends only on shapes: graph safe.
+    """
+    base = max(1, batch * head_tiles)
+    max_tokens = max_pages * page_size
+    cap = max(1, min(max_pages, max_tokens // (block_n * MIN_TILES_PER_SPLIT)))
+    target = TARGET_WAVES * num_sms
+    if base >= target or cap == 1:
+        return 1
+    best, best_eff = None, -1.0
+    for s in range(1, cap + 1):
+        progs = base * s
+        if progs < target:
+            continue
+        eff = progs / (math.ceil(progs / num_sms) * num_sms)
+        if eff >= 0.85:
+            return s
+        if eff > best_eff:
+            best, best_eff = s, eff
+    return best if best is not None else cap  # cannot reach the target: as many programs as allowed
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+# What the last Triton launch used (stage-1 compiled kernel, split count, tiles): for benchmarks
+# (registers / spills via ``_LAST_LAUNCH["stage1"].n_regs``), never read by the kernels.
+_LAST_LAUNCH: dict = {}
+
+
+def _check_inputs(q, kv_pages, block_table, seq_lens, v_dim):
+    if q.dim() != 3 or kv_pages.dim() != 3:
+        raise ValueError(f"q must be [B, H, D] and kv_pages [P, page_size, D]; got {tuple(q.shape)}, {tuple(kv_pages.shape)}")
+    if q.shape[-1] != kv_pages.shape[-1]:
+        raise ValueError(f"q has D={q.shape[-1]} but kv_pages rows are {kv_pages.shape[-1]} wide")
+    if not 0 < v_dim <= q.shape[-1]:
+        raise ValueError(f"v_dim={v_dim} must be in (0, D={q.shape[-1]}]")
+    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
+        raise ValueError("block_table must be [B, max_pages] and seq_lens [B]")
+
+
+def mla_decode_triton(
+    q: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+    num_splits: int | None = None,
+    config: MLADecodeConfig | None = None,
+) -> torch.Tensor:
+    """Triton path of :func:`mla_decode` (no dispatch).  ``config`` overrides the tile knobs."""
+    _check_inputs(q, kv_pages, block_table, seq_lens, v_dim)
+    B, H, D = q.shape
+    page_size = kv_pages.shape[1]
+    rope = D - v_dim
+    cfg = config or default_config(H, q.dtype)
+
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if kv_pages.stride(-1) != 1:  # rare (would copy the whole cache); rows must be unit-stride
+        kv_pages = kv_pages.contiguous()
+    if block_table.dtype != torch.int32:
+        block_table = block_table.to(torch.int32)
+    if seq_lens.dtype != torch.int32:
+        seq_lens = seq_lens.to(torch.int32)
+    kv_pages = kv_pages.to(q.dtype) if kv_pages.dtype != q.dtype else kv_pages
+
+    out = torch.empty((B, H, v_dim), device=q.device, dtype=q.dtype)
+    if B == 0 or H == 0:
+        return out
+    max_pages = block_table.shape[1]
+
+    block_h = max(16, triton.next_power_of_2(cfg.block_h))
+    block_h = min(block_h, max(16, triton.next_power_of_2(H)))
+    block_n, per_row = _tile_n(cfg.block_n, page_size)
+    block_v = max(16, triton.next_power_of_2(v_dim))
+    block_r = max(16, triton.next_power_of_2(rope)) if rope > 0 else 16
+    head_tiles = triton.cdiv(H, block_h)
+
+    if num_splits is None:
+        dev = q.device.index if q.is_cuda else None
+        if q.is_cuda and dev is None:
+            dev = torch.cuda.current_device()
+        num_splits = choose_num_splits(B, head_tiles, max_pages, page_size, block_n, _num_sms(dev))
+    num_splits = max(1, int(num_splits))
+    direct = num_splits == 1
+
+    if direct:
+        o_part = lse = out  # unused placeholders (pointer args must be tensors)
+        sp = (0, 0, 0)
+        sl = (0, 0)
+    else:
+        o_part = torch.empty((B, H, num_splits, v_dim), device=q.device, dtype=torch.float32)
+        lse = torch.empty((B, H, num_splits), device=q.device, dtype=torch.float32)
+        sp = o_part.stride()[:3]
+        sl = lse.stride()[:2]
+
+    # Triton 3.9's interpreter computes bf16 tl.dot wrongly (garbage magnitudes), so under the
+    # interpreter bf16 operands are upcast to fp32 after loading (p still rounded to bf16 first).
+    # Compiled kernels never take this path.
+    dot_upcast = triton_interpreting() and q.dtype == torch.bfloat16
+    dot_precision = "ieee" if (q.dtype == torch.float32 or dot_upcast) else "tf32"
+    grid = (head_tiles, num_splits, B)
+    k1 = _mla_decode_stage1[grid](
+        q,
+        kv_pages,
+        block_table,
+        seq_lens,
+        o_part,
+        lse,
+        out,
+        float(scale) * _LOG2E,
+        H,
+        v_dim,
+        rope,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        kv_pages.stride(0),
+        kv_pages.stride(1),
+        block_table.stride(0),
+        *sp,
+        *sl,
+        out.stride(0),
+        out.stride(1),
+        PAGE_SIZE=page_size,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
+        BLOCK_R=block_r,
+        HAS_ROPE=rope > 0,
+        EVEN_V=block_v == v_dim,
+        EVEN_R=block_r == rope,
+        PER_ROW_PAGES=per_row,
+        DIRECT_OUT=direct,
+        DOT_PRECISION=dot_precision,
+        DOT_UPCAST=dot_upcast,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    _LAST_LAUNCH.clear()
+    _LAST_LAUNCH.update(stage1=k1, num_splits=num_splits, block_h=block_h, block_n=block_n, per_row_pages=per_row)
+    if not direct:
+        block_vc = min(128, block_v)
+        grid2 = (triton.cdiv(v_dim, block_vc), H, B)
+        _mla_decode_stage2[grid2](
+            o_part,
+            lse,
+            out,
+            v_dim,
+            num_splits,
+            *sp,
+            *sl,
+            out.stride(0),
+            out.stride(1),
+            BLOCK_S=min(16, triton.next_power_of_2(num_splits)),
+            BLOCK_VC=block_vc,
+            num_warps=4,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Custom op + public entry point
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mla_fuser::mla_decode", mutates_args=())
+def _mla_decode_op(
+    q: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    if use_triton(q):
+        return mla_decode_triton(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits)
+    return mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim)
+
+
+@_mla_decode_op.register_fake
+def _mla_decode_fake(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None):
+    return q.new_empty((q.shape[0], q.shape[1], v_dim))
+
+
+def mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None) -> torch.Tensor:
+    """Absorbed MLA decode attention over a paged latent cache.
+
+    Args:
+        q: ``[B, H, D]`` absorbed query (``[q_nope @ W_UK | q_pe]``), bf16/fp16/fp32.
+        kv_pages: ``[num_pages, page_size, D]`` latent cache, same dtype; row = ``[kv_c | k_pe]``.
+        block_table: int32 ``[B, max_pages]`` page ids of each sequence in order; entries past the
+            sequence's last page are never read.
+        seq_lens: int32 ``[B]`` tokens per sequence (0 gives a zero output).
+        scale: softmax scale.
+        v_dim: value width (= kv_lora_rank), the first ``v_dim`` columns of each latent row.
+        num_splits: KV splits per sequence (None: chosen from shapes and the SM count).
+
+    Returns ``[B, H, v_dim]`` in q's dtype.  Dispatch (``dispatch.use_triton(q)``) happens inside
+    the ``mla_fuser::mla_decode`` custom op, so a torch.compile'd model sees one opaque op.
+    """
+    return torch.ops.mla_fuser.mla_decode(q, kv_pages, block_table, seq_lens, float(scale), int(v_dim), num_splits)

@@ -1,0 +1,162 @@
+"""Writing new tokens' MLA latents into a paged cache, and reading a sequence back.
+
+The cache is ``kv_pages[num_pages, page_size, D]`` with ``D = v_dim + rope_dim`` and each row
+``[kv_c | k_pe]`` (see :mod:`mla_fuser.kernels.mla_decode`).  A token's destination is a flat *slot*
+``page_id * page_size + offset``; a negative slot means "padding, do not write" (the convention of
+paged serving engines, where padded batch rows carry slot -1).
+
+Why a kernel: the write happens once per layer per step; in torch it is a ``cat`` of ``kv_c`` and
+``k_pe`` (one temporary), a boolean mask and an indexed copy: several launches and a host sync for
+the mask.  The Triton kernel reads both inputs and writes the row in one launch, one program per
+token (each row is ~1 KB, so the launch is bandwidth bound with N programs in flight), and skips
+negative slots with a store mask rather than a sync.  It is registered as the custom op
+``mla_fuser::paged_write`` with ``mutates_args=("kv_pages",)`` so torch.compile keeps the in-place
+write in order with the attention that reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import triton_available, use_triton
+from .mla_decode import _LazyJit  # triton.jit deferred to first launch (interpreter flag read then)
+
+__all__ = ["paged_write", "paged_write_ref", "paged_write_triton", "paged_gather_ref"]
+
+
+def paged_write_ref(kv_pages, slot_mapping, kv_c, k_pe) -> None:
+    """Torch reference: ``kv_pages[slot // ps, slot % ps] = [kv_c | k_pe]`` for every slot >= 0.
+
+    Indexes by (page, offset) rather than viewing the cache flat, so a cache whose page/token dims
+    are not contiguous (e.g. a slice of a larger per-layer buffer) works too.  If two tokens share a
+    slot, which one wins is unspecified (as in the kernel).
+    """
+    page_size = kv_pages.shape[1]
+    row = kv_c if k_pe is None or k_pe.shape[-1] == 0 else torch.cat([kv_c, k_pe.to(kv_c.dtype)], dim=-1)
+    slot = slot_mapping.to(device=kv_pages.device, dtype=torch.long)
+    valid = slot >= 0
+    slot, row = slot[valid], row[valid]
+    kv_pages[slot // page_size, slot % page_size] = row.to(kv_pages.dtype)
+
+
+def paged_gather_ref(kv_pages, block_table, seq_lens) -> list[torch.Tensor]:
+    """Each sequence's cache rows in order: a list of contiguous ``[L_b, D]`` tensors.
+
+    Reads only the first ``ceil(L_b / page_size)`` entries of each block-table row.  Host-syncing
+    (``tolist``); meant for tests and debugging.
+    """
+    page_size = kv_pages.shape[1]
+    D = kv_pages.shape[2]
+    out = []
+    for b, L in enumerate(seq_lens.tolist()):
+        n_pages = -(-int(L) // page_size)
+        pages = block_table[b, :n_pages].to(device=kv_pages.device, dtype=torch.long)
+        out.append(kv_pages[pages].reshape(n_pages * page_size, D)[: int(L)].contiguous())
+    return out
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover - depends on the installation
+    triton = None
+    tl = None
+
+
+def _write_kernel(
+    KV,
+    SLOTS,
+    KV_C,
+    K_PE,
+    V_DIM,
+    ROPE_DIM,
+    stride_kvp,
+    stride_kvt,
+    stride_c,
+    stride_pe,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(SLOTS + tok).to(tl.int64)
+    safe = tl.where(slot >= 0, slot, 0)
+    dst = KV + (safe // PAGE_SIZE) * stride_kvp + (safe % PAGE_SIZE) * stride_kvt
+    # Padding tokens (slot < 0) are masked out of every load/store; the scalar condition is
+    # broadcast to a vector first (the interpreter rejects scalar & vector bool masks).
+    offs_v = tl.arange(0, BLOCK_V)
+    mv = (offs_v < V_DIM) & ((offs_v * 0 + slot) >= 0)
+    c = tl.load(KV_C + tok.to(tl.int64) * stride_c + offs_v, mask=mv)
+    tl.store(dst + offs_v, c.to(KV.dtype.element_ty), mask=mv)
+    if HAS_ROPE:
+        offs_r = tl.arange(0, BLOCK_R)
+        mr = (offs_r < ROPE_DIM) & ((offs_r * 0 + slot) >= 0)
+        pe = tl.load(K_PE + tok.to(tl.int64) * stride_pe + offs_r, mask=mr)
+        tl.store(dst + V_DIM + offs_r, pe.to(KV.dtype.element_ty), mask=mr)
+
+
+_paged_write_kernel = _LazyJit(_write_kernel) if triton is not None else None
+
+
+def paged_write_triton(kv_pages, slot_mapping, kv_c, k_pe) -> None:
+    """Triton path of :func:`paged_write` (no dispatch)."""
+    N, v_dim = kv_c.shape
+    rope = 0 if k_pe is None else k_pe.shape[-1]
+    if v_dim + rope != kv_pages.shape[-1]:
+        raise ValueError(f"kv_c ({v_dim}) + k_pe ({rope}) columns != cache row width {kv_pages.shape[-1]}")
+    if slot_mapping.shape[0] != N:
+        raise ValueError("slot_mapping must have one slot per token")
+    if N == 0:
+        return
+    if kv_pages.stride(-1) != 1:
+        raise ValueError("kv_pages rows must be unit-stride (the write is in place)")
+    kv_c = kv_c if kv_c.stride(-1) == 1 else kv_c.contiguous()
+    if rope > 0:
+        k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
+    else:
+        k_pe = kv_c  # unused pointer
+    _paged_write_kernel[(N,)](
+        kv_pages,
+        slot_mapping,
+        kv_c,
+        k_pe,
+        v_dim,
+        rope,
+        kv_pages.stride(0),
+        kv_pages.stride(1),
+        kv_c.stride(0),
+        k_pe.stride(0),
+        PAGE_SIZE=kv_pages.shape[1],
+        BLOCK_V=triton.next_power_of_2(v_dim),
+        BLOCK_R=triton.next_power_of_2(max(rope, 1)),
+        HAS_ROPE=rope > 0,
+        num_warps=4 if v_dim + rope >= 256 else 1,
+    )
+
+
+@torch.library.custom_op("mla_fuser::paged_write", mutates_args=("kv_pages",))
+def _paged_write_op(kv_pages: torch.Tensor, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+    if use_triton(kv_pages):
+        paged_write_triton(kv_pages, slot_mapping, kv_c, k_pe)
+    else:
+        paged_write_ref(kv_pages, slot_mapping, kv_c, k_pe)
+
+
+@_paged_write_op.register_fake
+def _paged_write_fake(kv_pages, slot_mapping, kv_c, k_pe) -> None:
+    return None
+
+
+def paged_write(kv_pages, slot_mapping, kv_c, k_pe) -> None:
+    """Write tokens' latents into the paged cache, in place.
+
+    Args:
+        kv_pages: ``[num_pages, page_size, D]`` cache, modified in place.
+        slot_mapping: int32/int64 ``[N]``; slot = page_id * page_size + offset; < 0 skips the token.
+        kv_c: ``[N, v_dim]`` compressed latents; k_pe: ``[N, rope]`` (rope may be 0, or None).
+    Inputs are cast to the cache dtype.  Dispatch (``use_triton(kv_pages)``) is inside the custom op.
+    """
+    if k_pe is None:
+        k_pe = kv_c.new_empty((kv_c.shape[0], 0))
+    torch.ops.mla_fuser.paged_write(kv_pages, slot_mapping, kv_c, k_pe)

@@ -1,0 +1,434 @@
+"""libcst rewriting of an MLA module's forward source, compiled in the module's globals, bound to one instance.
+
+Two edits, each only when nothing is in doubt (otherwise ``RewriteError`` with the reason, and the module
+is left exactly as it was):
+
+(a) q-LoRA: ``self.<q_a>(x)`` and ``self.<kv_a>(x)`` (one call each, same plain-name input, not reassigned
+    in between) become one stacked GEMM ``self._mla_fuser_down(x)`` whose two outputs are bound to fresh
+    names before the first statement that needs either;
+(b) the K/V expansion method, found by signature (``self`` + 2 arguments, body uses the KV up-projection,
+    every ``return`` a 2-tuple), has its single call in ``forward`` replaced by the tuple of its arguments,
+    so the compressed latent (``kv_c_normed``, ``k_pe``) reaches the attention interface.  The names it
+    assigned may afterwards only be passed to calls or asked for ``.shape[0]``/``.shape[2]``/``.shape[-2]``
+    (batch and sequence, equal for latent and expanded tensors).
+
+The new function is compiled with the original module's globals as ``__globals__`` (definitions land in a
+scratch namespace, nothing is added to the transformers module) and bound to the *instance*; the class and
+other instances are untouched.  The stacked weight is built once and the original projection weights become
+views into it, so memory is not doubled and ``state_dict()`` keeps the original keys (see ``StackedLinear``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import linecache
+import sys
+import textwrap
+import types
+
+import libcst as cst
+import torch
+from torch import nn
+
+
+class RewriteError(Exception):
+    """The forward could not be rewritten with certainty; the message says why."""
+
+
+STACKED_ATTR = "_mla_fuser_down"
+SOURCE_ATTR = "_mla_fuser_source"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stacked down-projection
+
+
+class StackedLinear:
+    """Both down-projections as one GEMM, sharing storage with the original linears.
+
+    Deliberately not an ``nn.Module``: it holds no parameters of its own (so ``state_dict``, ``.to()``,
+    ``save_pretrained`` only ever see the original weights).  The stacked weight is one tensor; the
+    originals' ``.data`` are views into it.  When something replaces the originals' storage (a device or
+    dtype move, a checkpoint load that swaps parameters), the aliasing check at the next call notices and
+    re-stacks once; in-place loads (``load_state_dict``) write through the views directly.
+    """
+
+    def __init__(self, first: nn.Linear, second: nn.Linear):
+        self.first, self.second = first, second
+        self.sizes = [first.out_features, second.out_features]
+        self.weight = None
+        self.bias = None
+        self.restack()
+
+    def _aliased(self) -> bool:
+        w = self.weight
+        if w is None:
+            return False
+        a, b = self.first.weight, self.second.weight
+        return (
+            a.device == w.device and a.dtype == w.dtype and b.device == w.device and b.dtype == w.dtype
+            and a.data_ptr() == w.data_ptr()
+            and b.data_ptr() == w.data_ptr() + self.sizes[0] * w.shape[1] * w.element_size()
+            and (self.bias is None or (self.first.bias.data_ptr() == self.bias.data_ptr()))
+        )
+
+    @torch.no_grad()
+    def restack(self) -> None:
+        a, b = self.first, self.second
+        if a.weight.device.type == "meta":
+            self.weight = None
+            return
+        weight = torch.cat([a.weight.detach(), b.weight.detach()], dim=0)
+        a.weight.data = weight[: self.sizes[0]]
+        b.weight.data = weight[self.sizes[0]:]
+        self.weight = weight
+        self.bias = None
+        if a.bias is not None or b.bias is not None:
+            zeros = lambda lin: torch.zeros(lin.out_features, dtype=weight.dtype, device=weight.device)  # noqa: E731
+            bias = torch.cat([
+                a.bias.detach() if a.bias is not None else zeros(a),
+                b.bias.detach() if b.bias is not None else zeros(b),
+            ])
+            if a.bias is not None:
+                a.bias.data = bias[: self.sizes[0]]
+            if b.bias is not None:
+                b.bias.data = bias[self.sizes[0]:]
+            self.bias = bias
+
+    def __call__(self, x: torch.Tensor):
+        if not self._aliased():
+            self.restack()
+        if self.weight is None:  # meta weights: shapes only
+            return self.first(x), self.second(x)
+        weight = self.weight
+        if self.first.weight.requires_grad and torch.is_grad_enabled():
+            # training: gradients must reach the original parameters, so use them (a cat, not a view)
+            weight = torch.cat([self.first.weight, self.second.weight])
+        out = nn.functional.linear(x, weight, self.bias)
+        return tuple(out.split(self.sizes, dim=-1))
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return StackedLinear(copy.deepcopy(self.first, memo), copy.deepcopy(self.second, memo))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# source helpers
+
+
+def _defining_class(cls: type, name: str) -> type:
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass
+    raise RewriteError(f"{cls.__name__} has no {name}")
+
+
+def _function_source(fn) -> str:
+    try:
+        return textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError) as exc:
+        raise RewriteError(f"source of {getattr(fn, '__qualname__', fn)} is unreadable: {exc}") from exc
+
+
+def _self_attr_call(node: cst.CSTNode, attr: str | None = None) -> bool:
+    """``self.<attr>(...)`` (attr None: any attribute)."""
+    return (
+        isinstance(node, cst.Call)
+        and isinstance(node.func, cst.Attribute)
+        and isinstance(node.func.value, cst.Name)
+        and node.func.value.value == "self"
+        and (attr is None or node.func.attr.value == attr)
+    )
+
+
+class _Collect(cst.CSTVisitor):
+    def __init__(self, predicate):
+        self.predicate = predicate
+        self.found: list[cst.CSTNode] = []
+
+    def visit_Call(self, node: cst.Call):
+        if self.predicate(node):
+            self.found.append(node)
+
+
+def _find_calls(tree: cst.CSTNode, predicate) -> list[cst.Call]:
+    visitor = _Collect(predicate)
+    tree.visit(visitor)
+    return visitor.found
+
+
+class _Names(cst.CSTVisitor):
+    def __init__(self):
+        self.names: set[str] = set()
+
+    def visit_Name(self, node: cst.Name):
+        self.names.add(node.value)
+
+
+def _names_in(tree: cst.CSTNode) -> set[str]:
+    v = _Names()
+    tree.visit(v)
+    return v.names
+
+
+def _contains(tree: cst.CSTNode, target: cst.CSTNode) -> bool:
+    found = []
+
+    class V(cst.CSTVisitor):
+        def on_visit(self, node):
+            if node is target:
+                found.append(True)
+            return not found
+
+    tree.visit(V())
+    return bool(found)
+
+
+def _assigned_names(stmt: cst.CSTNode) -> set[str]:
+    names = set()
+
+    class V(cst.CSTVisitor):
+        def visit_AssignTarget(self, node):
+            names.update(_names_in(node.target))
+
+        def visit_AugAssign(self, node):
+            names.update(_names_in(node.target))
+
+        def visit_AnnAssign(self, node):
+            names.update(_names_in(node.target))
+
+        def visit_For(self, node):
+            names.update(_names_in(node.target))
+
+        def visit_NamedExpr(self, node):
+            names.update(_names_in(node.target))
+
+    stmt.visit(V())
+    return names
+
+
+def _expansion_method(cls: type, kv_b: str) -> str:
+    """Name of the method that expands the latent: self + 2 args, uses ``self.<kv_b>``, returns pairs."""
+    candidates = []
+    seen = set()
+    for klass in cls.__mro__:
+        if klass is nn.Module or klass is object:
+            break
+        for name, fn in klass.__dict__.items():
+            if name in seen or name == "forward" or not inspect.isfunction(fn):
+                continue
+            seen.add(name)
+            params = list(inspect.signature(fn).parameters.values())
+            if len(params) != 3 or any(p.kind not in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY) for p in params):
+                continue
+            try:
+                tree = cst.parse_module(_function_source(fn))
+            except (RewriteError, cst.ParserSyntaxError):
+                continue
+            uses_kv_b = any(
+                isinstance(n, cst.Attribute) and isinstance(n.value, cst.Name) and n.value.value == "self"
+                and n.attr.value == kv_b
+                for n in _walk(tree)
+            )
+            returns = [n for n in _walk(tree) if isinstance(n, cst.Return)]
+            pairs = returns and all(isinstance(r.value, cst.Tuple) and len(r.value.elements) == 2 for r in returns)
+            if uses_kv_b and pairs:
+                candidates.append(name)
+    if len(candidates) != 1:
+        raise RewriteError(f"expected one K/V expansion method by signature, found {candidates}")
+    return candidates[0]
+
+
+def _walk(tree: cst.CSTNode):
+    out = []
+
+    class V(cst.CSTVisitor):
+        def on_visit(self, node):
+            out.append(node)
+            return True
+
+    tree.visit(V())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the rewrite
+
+
+class _Replace(cst.CSTTransformer):
+    def __init__(self, mapping: dict[int, cst.CSTNode]):
+        self.mapping = mapping
+
+    def on_leave(self, original, updated):
+        return self.mapping.get(id(original), updated)
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    candidate, i = name, 0
+    while candidate in taken:
+        i += 1
+        candidate = f"{name}_{i}"
+    taken.add(candidate)
+    return candidate
+
+
+def _top_statement_index(body: list[cst.CSTNode], node: cst.CSTNode) -> int:
+    for i, stmt in enumerate(body):
+        if _contains(stmt, node):
+            return i
+    raise RewriteError("call not found in the function body")
+
+
+def build_rewritten_source(module: nn.Module, match) -> tuple[str, str, type]:
+    """Return ``(original_source, new_source, defining_class)`` of the rewritten forward."""
+    cls = type(module)
+    owner = _defining_class(cls, "forward")
+    forward = owner.__dict__["forward"]
+    if inspect.unwrap(forward).__code__.co_freevars:
+        raise RewriteError("forward is a closure (e.g. zero-argument super()); cannot recompile it")
+    source = _function_source(forward)
+    try:
+        tree = cst.parse_module(source)
+    except cst.ParserSyntaxError as exc:
+        raise RewriteError(f"forward source does not parse: {exc}") from exc
+    funcs = [s for s in tree.body if isinstance(s, cst.FunctionDef)]
+    if len(funcs) != 1:
+        raise RewriteError("forward source is not a single function definition")
+    func = funcs[0]
+    if not isinstance(func.body, cst.IndentedBlock):
+        raise RewriteError("forward body is a one-liner")
+    body = list(func.body.body)
+    taken = _names_in(tree)
+    replacements: dict[int, cst.CSTNode] = {}
+    inserts: dict[int, list[cst.BaseStatement]] = {}
+
+    # (b) bypass the K/V expansion
+    expand = _expansion_method(cls, match.kv_b_proj)
+    calls = _find_calls(func, lambda c: _self_attr_call(c, expand))
+    if len(calls) != 1:
+        raise RewriteError(f"expected one call of self.{expand}, found {len(calls)}")
+    call = calls[0]
+    if len(call.args) != 2 or any(a.keyword is not None or a.star for a in call.args):
+        raise RewriteError(f"self.{expand} is not called with two positional arguments")
+    replacements[id(call)] = cst.Tuple(elements=[cst.Element(call.args[0].value), cst.Element(call.args[1].value)])
+    index = _top_statement_index(body, call)
+    stmt = body[index]
+    targets = _expansion_targets(stmt, call)
+    _check_later_uses(body[index + 1:], targets)
+
+    # (a) stack the two down-projections
+    if match.q_a_proj is not None:
+        q_calls = _find_calls(func, lambda c: _self_attr_call(c, match.q_a_proj))
+        kv_calls = _find_calls(func, lambda c: _self_attr_call(c, match.kv_a_proj))
+        if len(q_calls) != 1 or len(kv_calls) != 1:
+            raise RewriteError(
+                f"expected one call each of self.{match.q_a_proj} and self.{match.kv_a_proj}, "
+                f"found {len(q_calls)} and {len(kv_calls)}"
+            )
+        qc, kc = q_calls[0], kv_calls[0]
+        for c in (qc, kc):
+            if len(c.args) != 1 or c.args[0].keyword is not None or c.args[0].star:
+                raise RewriteError("a down-projection is not called with one positional argument")
+        x_q, x_kv = qc.args[0].value, kc.args[0].value
+        if not (isinstance(x_q, cst.Name) and isinstance(x_kv, cst.Name) and x_q.value == x_kv.value):
+            raise RewriteError("the two down-projections do not take the same plain variable")
+        first = min(_top_statement_index(body, qc), _top_statement_index(body, kc))
+        last = max(_top_statement_index(body, qc), _top_statement_index(body, kc))
+        for s in body[first:last + 1]:
+            if x_q.value in _assigned_names(s) and not (s is body[last] and _assigned_before_use_ok(s, x_q.value)):
+                raise RewriteError(f"{x_q.value} is reassigned between the two down-projections")
+        q_name, kv_name = _fresh("_mla_q_latent", taken), _fresh("_mla_kv_latent", taken)
+        stacked = cst.parse_statement(f"{q_name}, {kv_name} = self.{STACKED_ATTR}({x_q.value})\n")
+        inserts.setdefault(first, []).append(stacked)
+        replacements[id(qc)] = cst.Name(q_name)
+        replacements[id(kc)] = cst.Name(kv_name)
+
+    new_func = func.visit(_Replace(replacements))
+    new_body = list(new_func.body.body)
+    for idx in sorted(inserts, reverse=True):
+        new_body[idx:idx] = inserts[idx]
+    new_func = new_func.with_changes(body=new_func.body.with_changes(body=new_body))
+    new_source = tree.with_changes(body=[new_func if s is func else s for s in tree.body]).code
+    return source, new_source, owner
+
+
+def _assigned_before_use_ok(stmt, name) -> bool:
+    return False
+
+
+def _expansion_targets(stmt: cst.CSTNode, call: cst.Call) -> list[str]:
+    inner = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
+    if not (isinstance(inner, (cst.Assign, cst.AnnAssign)) and inner.value is call):
+        raise RewriteError("the K/V expansion result is not directly assigned")
+    target = inner.targets[0].target if isinstance(inner, cst.Assign) else inner.target
+    if isinstance(inner, cst.Assign) and len(inner.targets) != 1:
+        raise RewriteError("chained assignment of the K/V expansion")
+    if not (isinstance(target, cst.Tuple) and len(target.elements) == 2
+            and all(isinstance(e.value, cst.Name) for e in target.elements)):
+        raise RewriteError("the K/V expansion is not unpacked into two names")
+    return [e.value.value for e in target.elements]
+
+
+_ALLOWED_SHAPE_INDEX = {"0", "2", "-2"}
+
+
+def _check_later_uses(stmts: list[cst.CSTNode], names: list[str]) -> None:
+    """Key/value names may only be call arguments or asked for batch/sequence sizes afterwards."""
+    for stmt in stmts:
+        if set(names) & _assigned_names(stmt):
+            raise RewriteError("key/value states are reassigned after the expansion")
+        allowed: set[int] = set()
+        for node in _walk(stmt):
+            if isinstance(node, cst.Call):
+                for arg in node.args:
+                    if isinstance(arg.value, cst.Name) and arg.value.value in names and not arg.star:
+                        allowed.add(id(arg.value))
+            if (isinstance(node, cst.Subscript) and isinstance(node.value, cst.Attribute)
+                    and node.value.attr.value == "shape" and isinstance(node.value.value, cst.Name)
+                    and node.value.value.value in names and len(node.slice) == 1
+                    and isinstance(node.slice[0].slice, cst.Index)):
+                idx = cst.Module(body=[]).code_for_node(node.slice[0].slice.value)
+                if idx.replace(" ", "") in _ALLOWED_SHAPE_INDEX:
+                    allowed.add(id(node.value.value))
+        for node in _walk(stmt):
+            if isinstance(node, cst.Name) and node.value in names and id(node) not in allowed:
+                raise RewriteError(
+                    f"{node.value} is used after the expansion other than as a call argument or batch/sequence size"
+                )
+
+
+_COMPILED = 0
+
+
+def compile_forward(module: nn.Module, new_source: str, owner: type):
+    """Compile the rewritten function with the defining module's globals; return the plain function."""
+    global _COMPILED
+    globals_ = sys.modules[owner.__module__].__dict__
+    _COMPILED += 1
+    filename = f"<mla_fuser rewritten {owner.__qualname__}.forward #{_COMPILED}>"
+    linecache.cache[filename] = (len(new_source), None, new_source.splitlines(True), filename)
+    code = compile(new_source, filename, "exec")
+    scratch: dict = {}
+    exec(code, globals_, scratch)  # definitions land in ``scratch``; the module's namespace is not touched
+    fns = [v for v in scratch.values() if callable(v)]
+    if len(fns) != 1:
+        raise RewriteError("compiled source defined an unexpected number of callables")
+    return fns[0]
+
+
+def rewrite_mla_forward(module: nn.Module, match) -> str:
+    """Rewrite ``module``'s forward in place (instance only); returns the unified diff of the source."""
+    original, new_source, owner = build_rewritten_source(module, match)
+    fn = compile_forward(module, new_source, owner)
+    if match.q_a_proj is not None:
+        stacked = StackedLinear(module.get_submodule(match.q_a_proj), module.get_submodule(match.kv_a_proj))
+        object.__setattr__(module, STACKED_ATTR, stacked)
+    module.forward = types.MethodType(fn, module)
+    diff = "".join(difflib.unified_diff(
+        original.splitlines(True), new_source.splitlines(True),
+        fromfile=f"{owner.__qualname__}.forward (transformers)", tofile=f"{owner.__qualname__}.forward (mla-fuser)",
+    ))
+    object.__setattr__(module, SOURCE_ATTR, diff)
+    return diff

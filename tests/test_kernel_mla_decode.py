@@ -1,0 +1,279 @@
+"""Triton MLA decode over a paged latent cache (and paged writes) vs. their torch references.
+
+The Triton kernels run under Triton's CPU interpreter on tiny shapes.  About the flags (checked on
+triton 3.9): ``TRITON_INTERPRET`` is read when a function is *decorated* with ``triton.jit`` (it then
+builds an ``InterpretedFunction`` instead of a compiled ``JITFunction``), and that includes the @jit
+helpers of ``triton.language.standard`` (``tl.sum``, ``tl.max``, ``tl.cdiv``, ``tl.zeros``...),
+which are decorated when triton is first *imported*.  Setting the flag with ``monkeypatch.setenv``
+inside a test is nevertheless enough for these kernels, whatever was imported before, because
+(1) they are decorated lazily, at first launch and once per mode (``mla_decode._LazyJit``), and
+(2) they use none of those helpers (``tl.reduce`` with the standard combine functions, which the
+interpreter recognises, and ``tl.full`` instead).  ``test_interpreter_flag_set_after_import``
+checks this: triton is imported by the kernel module at the top of this file, without the flag.
+A kernel that does call ``tl.sum`` & co. needs ``TRITON_INTERPRET=1`` before triton's import.
+``MLA_FUSER_BACKEND`` is read by ``dispatch.use_triton`` on every call.
+
+Known interpreter limitation (triton 3.9): a bf16 x bf16 ``tl.dot`` returns garbage there, so
+under the interpreter the kernel upcasts bf16 dot operands to fp32 after loading (``DOT_UPCAST``);
+the bf16 tests below therefore check loads, masking, paging, splits and merging in bf16, but not
+the bf16 tensor-core path itself (the GPU benchmark checks that against the reference).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+if importlib.util.find_spec("mla_fuser") is None:  # plain `pytest` from the repo without an install
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mla_fuser.kernels import mla_decode as md  # noqa: E402
+from mla_fuser.kernels import paged_cache_ops as pco  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not md.triton_available(), reason="triton not installed")
+
+
+@pytest.fixture
+def interp(monkeypatch):
+    """Run the Triton kernels under the interpreter, forced through the public dispatch."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+
+
+def _seed(s: int) -> torch.Generator:
+    torch.manual_seed(s)
+    return torch.Generator().manual_seed(s)
+
+
+def make_case(lens, H, r, rope, page_size, dtype, seed, spare_pages=3, garbage=-1):
+    """A paged cache with shuffled page ids and NaN everywhere no sequence owns.
+
+    Pages of no sequence, and rows past a sequence's length in its last page, hold NaN: any read of
+    them that reaches the math makes the output NaN, so masking bugs cannot hide.  Block-table
+    entries past each sequence's pages hold ``garbage`` (e.g. -1 or a huge id) and one spare
+    column exists beyond the longest sequence.
+    """
+    g = _seed(seed)
+    D = r + rope
+    n_pages = [math.ceil(L / page_size) for L in lens]
+    total = sum(n_pages) + spare_pages
+    perm = torch.randperm(total, generator=g)
+    kv = torch.full((total, page_size, D), float("nan"))
+    max_pages = max(n_pages + [0]) + 1
+    bt = torch.full((len(lens), max_pages), garbage, dtype=torch.int32)
+    used = 0
+    for b, (L, n) in enumerate(zip(lens, n_pages)):
+        pages = perm[used : used + n]
+        used += n
+        bt[b, :n] = pages.to(torch.int32)
+        for i, p in enumerate(pages.tolist()):
+            valid = min(page_size, L - i * page_size)
+            kv[p, :valid] = torch.randn(valid, D, generator=g)
+    q = torch.randn(len(lens), H, D, generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return q.to(dtype), kv.to(dtype), bt, seq_lens
+
+
+def naive(q, kv_pages, bt, seq_lens, scale, v_dim):
+    """Token-by-token dense softmax attention in float64 (independent of the reference)."""
+    B, H, D = q.shape
+    ps = kv_pages.shape[1]
+    out = torch.zeros(B, H, v_dim, dtype=torch.float64)
+    for b in range(B):
+        L = int(seq_lens[b])
+        if L == 0:
+            continue
+        rows = torch.stack([kv_pages[int(bt[b, t // ps]), t % ps] for t in range(L)]).double()
+        for h in range(H):
+            p = torch.softmax(scale * (rows @ q[b, h].double()), dim=0)
+            out[b, h] = p @ rows[:, :v_dim]
+    return out
+
+
+def _ref32(q, kv, bt, lens, scale, r):
+    """Reference in fp32 from the same (possibly bf16-rounded) inputs."""
+    return md.mla_decode_ref(q.float(), kv.float(), bt, lens, scale, r)
+
+
+def _check(out, ref, dtype):
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all(), "NaN/inf in output"
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    else:  # p rounded to bf16 before p@V and the output rounded to bf16
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+        assert (out.float() - ref).norm() <= 1e-2 * ref.norm() + 1e-6
+
+
+# ------------------------------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize(
+    "lens,H,r,rope,ps",
+    [([0, 1, 16, 17, 40], 3, 32, 8, 16), ([5, 64, 65], 2, 16, 0, 64), ([3, 9], 4, 16, 8, 8)],
+)
+def test_ref_matches_naive(lens, H, r, rope, ps):
+    q, kv, bt, sl = make_case(lens, H, r, rope, ps, torch.float32, seed=1)
+    scale = 1.0 / math.sqrt(r + rope)
+    out = md.mla_decode_ref(q, kv, bt, sl, scale, r)
+    assert out.shape == (len(lens), H, r) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), naive(q, kv, bt, sl, scale, r), atol=1e-5, rtol=1e-5)
+    assert (out[[i for i, L in enumerate(lens) if L == 0]] == 0).all()
+
+
+def test_ref_bf16_returns_input_dtype():
+    q, kv, bt, sl = make_case([7, 20], 2, 16, 8, 16, torch.bfloat16, seed=2)
+    out = md.mla_decode_ref(q, kv, bt, sl, 0.2, 16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), naive(q.float(), kv.float(), bt, sl, 0.2, 16), atol=1e-2, rtol=1e-2)
+
+
+# ------------------------------------------------------------------------------------- triton
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+def test_triton_ragged_page16(interp, dtype, num_splits):
+    # lengths 0 and 1, exactly one page, page boundary + 1, several pages; H=3 < BLOCK_H.
+    # num_splits=8 > pages of every sequence here: empty splits must weigh nothing.
+    lens = [0, 1, 16, 17, 45]
+    q, kv, bt, sl = make_case(lens, 3, 32, 8, 16, dtype, seed=10)
+    out = md.mla_decode(q, kv, bt, sl, 0.17, 32, num_splits=num_splits)
+    _check(out, _ref32(q, kv, bt, sl, 0.17, 32), dtype)
+    assert (out[0] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_page64_rope0_h5(interp, dtype):
+    # rope_dim = 0 (no rope dot), H=5, page_size 64 with tiles of BLOCK_N (64 in bf16, 32 in fp32).
+    lens = [64, 1, 130, 0]
+    q, kv, bt, sl = make_case(lens, 5, 16, 0, 64, dtype, seed=11, garbage=10**6)
+    for ns in (None, 2, 5):
+        out = md.mla_decode(q, kv, bt, sl, 0.3, 16, num_splits=ns)
+        _check(out, _ref32(q, kv, bt, sl, 0.3, 16), dtype)
+
+
+def test_triton_two_head_tiles_and_config(interp):
+    # H=20 with BLOCK_H=16: a full and a partial head tile; explicit config incl. small BLOCK_N.
+    lens = [33, 70]
+    q, kv, bt, sl = make_case(lens, 20, 32, 16, 32, torch.float32, seed=12)
+    ref = _ref32(q, kv, bt, sl, 0.2, 32)
+    cfg = md.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2)
+    for ns in (1, 4):
+        _check(md.mla_decode_triton(q, kv, bt, sl, 0.2, 32, num_splits=ns, config=cfg), ref, torch.float32)
+    # block_n larger than the page: the tile becomes the page.
+    cfg = md.MLADecodeConfig(block_h=32, block_n=64)
+    _check(md.mla_decode_triton(q, kv, bt, sl, 0.2, 32, num_splits=2, config=cfg), ref, torch.float32)
+
+
+def test_triton_small_pages_per_row_lookup(interp):
+    # page_size 8 < 16 (no 16-token tile fits in a page): rows look their pages up one by one.
+    lens = [3, 8, 25]
+    q, kv, bt, sl = make_case(lens, 2, 16, 8, 8, torch.float32, seed=13)
+    for ns in (1, 3):
+        out = md.mla_decode(q, kv, bt, sl, 0.25, 16, num_splits=ns)
+        _check(out, _ref32(q, kv, bt, sl, 0.25, 16), torch.float32)
+
+
+def test_triton_noncontiguous_q_and_all_empty(interp):
+    q, kv, bt, sl = make_case([20, 9], 4, 16, 8, 16, torch.float32, seed=14)
+    big = torch.randn(2, 8, 24)
+    big[:, ::2] = q
+    qv = big[:, ::2]  # head stride 2*D: exercises q strides
+    assert not qv.is_contiguous()
+    _check(md.mla_decode(qv, kv, bt, sl, 0.3, 16, num_splits=2), _ref32(q, kv, bt, sl, 0.3, 16), torch.float32)
+    zero = torch.zeros_like(sl)
+    for ns in (1, 3):
+        out = md.mla_decode(q, kv, bt, zero, 0.3, 16, num_splits=ns)
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_interpreter_flag_set_after_import(monkeypatch):
+    """The kernel modules are already imported (above) when the flags are set here."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "torch")
+    q, kv, bt, sl = make_case([5], 2, 16, 8, 16, torch.float32, seed=15)
+    ref = md.mla_decode(q, kv, bt, sl, 0.3, 16)  # torch backend
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+    _check(md.mla_decode(q, kv, bt, sl, 0.3, 16), ref, torch.float32)
+
+
+def test_custom_op_registered_and_fake(interp):
+    q, kv, bt, sl = make_case([4, 17], 3, 16, 8, 16, torch.float32, seed=16)
+    out = torch.ops.mla_fuser.mla_decode(q, kv, bt, sl, 0.3, 16, 2)
+    _check(out, _ref32(q, kv, bt, sl, 0.3, 16), torch.float32)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fq, fkv, fbt, fsl = (mode.from_tensor(t) for t in (q, kv, bt, sl))
+        fo = torch.ops.mla_fuser.mla_decode(fq, fkv, fbt, fsl, 0.3, 16, None)
+        assert fo.shape == (2, 3, 16) and fo.dtype == q.dtype
+
+
+def test_choose_num_splits():
+    sms = 132
+    # Never more splits than pages, always >= 1, enough programs when the pages allow it.
+    for B, ht, mp, ps in [(1, 1, 512, 64), (16, 1, 512, 64), (64, 1, 128, 64), (128, 2, 64, 64), (1, 1, 1, 64), (3, 1, 2, 16)]:
+        s = md.choose_num_splits(B, ht, mp, ps, 64, sms)
+        assert 1 <= s <= mp
+        if mp * ps >= 64 * md.MIN_TILES_PER_SPLIT * 2 * sms:
+            assert B * ht * s >= sms
+    assert md.choose_num_splits(300, 1, 128, 64, 64, sms) == 1  # already >= 2 waves
+
+
+# ------------------------------------------------------------------------------------- paged write
+
+
+@pytest.mark.parametrize("rope", [8, 0])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_write_triton_vs_ref(interp, rope, slot_dtype, dtype):
+    g = _seed(20)
+    P, ps, r, N = 6, 16, 32, 12
+    kv = torch.randn(P, ps, r + rope, generator=g).to(dtype)
+    kv_ref = kv.clone()
+    slots = torch.randperm(P * ps, generator=g)[:N].to(slot_dtype)
+    slots[2] = -1
+    slots[7] = -9
+    kv_c = torch.randn(N, r, generator=g).to(dtype)
+    k_pe = torch.randn(N, rope, generator=g).to(dtype)
+    pco.paged_write(kv, slots, kv_c, k_pe)
+    pco.paged_write_ref(kv_ref, slots, kv_c, k_pe)
+    assert torch.equal(kv, kv_ref)
+    # the written rows hold [kv_c | k_pe]; padding tokens were skipped
+    s = slots.long()
+    for i in range(N):
+        if s[i] >= 0:
+            assert torch.equal(kv[s[i] // ps, s[i] % ps], torch.cat([kv_c[i], k_pe[i]]))
+
+
+def test_paged_write_then_decode_roundtrip(interp):
+    """Fill a shuffled cache token by token with paged_write, gather it back, decode from it."""
+    g = _seed(21)
+    lens, ps, r, rope, H = [5, 19], 8, 16, 8, 2
+    n_pages = [math.ceil(L / ps) for L in lens]
+    perm = torch.randperm(sum(n_pages) + 2, generator=g)
+    kv = torch.full((len(perm), ps, r + rope), float("nan"))
+    bt = torch.full((2, max(n_pages)), -1, dtype=torch.int32)
+    bt[0, : n_pages[0]] = perm[: n_pages[0]].int()
+    bt[1, : n_pages[1]] = perm[n_pages[0] : sum(n_pages)].int()
+    rows = [torch.randn(L, r + rope, generator=g) for L in lens]
+    slots = torch.cat([bt[b, torch.arange(L) // ps].long() * ps + torch.arange(L) % ps for b, L in enumerate(lens)])
+    allrows = torch.cat(rows)
+    pco.paged_write(kv, slots, allrows[:, :r], allrows[:, r:])
+    sl = torch.tensor(lens, dtype=torch.int32)
+    back = pco.paged_gather_ref(kv, bt, sl)
+    for b in range(2):
+        assert torch.equal(back[b], rows[b])
+    q = torch.randn(2, H, r + rope, generator=g)
+    out = md.mla_decode(q, kv, bt, sl, 0.2, r, num_splits=2)
+    dense = torch.stack(
+        [torch.softmax(0.2 * q[b] @ rows[b].T, dim=-1) @ rows[b][:, :r] for b in range(2)]
+    )
+    torch.testing.assert_close(out, dense, atol=2e-5, rtol=2e-5)
