@@ -9,7 +9,7 @@ registries.  Public API::
 """
 
 from . import attention_interfaces  # noqa: F401  (registration side effect)
-from .fuse import fuse
+from .fusion import fuse
 from .fusers.base import FusionReport, FusionRow
 from .loader import AutoModel, AutoModelForCausalLM
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import transformers
 
-from .fuse import ATTENTION_NAME, fuse
+from .fusion import ATTENTION_NAME, fuse
 
 
 def _finish(model, attn_implementation):

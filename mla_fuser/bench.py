@@ -1,0 +1,114 @@
+"""Model-level benchmark behind ``mla-fuser bench``: native ``sdpa`` vs fused ``vllm_mla``.
+
+For each (batch, context): prefill time of a random prompt, then decode ms/step and tokens/s over
+``steps`` greedy steps with Transformers' DynamicCache, peak memory over the weights (CUDA only), and
+whether the greedy tokens of both paths agree.  Results are a JSON-able dict.
+"""
+
+from __future__ import annotations
+
+import gc
+import platform
+import time
+
+import torch
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _decode_run(model, ids, steps):
+    from transformers import DynamicCache
+
+    device = ids.device
+    cache = DynamicCache(config=model.config)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    with torch.no_grad():
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        _sync(device)
+        prefill = time.perf_counter() - t0
+        token = out.logits[:, -1:].argmax(-1)
+        tokens = [token]
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            tokens.append(token)
+        _sync(device)
+        decode = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else None
+    del cache, out
+    gc.collect()
+    return prefill, decode / steps, torch.cat(tokens, dim=1), peak
+
+
+def run_model_bench(args) -> dict:
+    from .cli import _load
+
+    shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
+    fused, name = _load(args, "vllm_mla")
+    device = fused.get_input_embeddings().weight.device
+    native = None
+    if not args.skip_native:
+        native, _ = _load(args, "sdpa", fuse=False)
+    vocab = fused.get_input_embeddings().weight.shape[0]
+    result = {
+        "model": name, "dtype": args.dtype, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else platform.processor() or "cpu", "torch": torch.__version__, "steps": args.steps,
+        "fused_modules": len(fused.fusion_report.fused()), "runs": [],
+    }
+    import transformers
+
+    result["transformers"] = transformers.__version__
+    for batch, context in shapes:
+        gen = torch.Generator().manual_seed(args.seed)
+        ids = torch.randint(3, vocab, (batch, context), generator=gen).to(device)
+        row = {"batch": batch, "context": context}
+        # warm-up on a short prompt so one-time costs are not timed
+        _decode_run(fused, ids[:, :8], 2)
+        prefill, step, tokens, peak = _decode_run(fused, ids, args.steps)
+        row["fused"] = {"prefill_s": prefill, "ms_per_step": step * 1e3, "tok_per_s": batch / step,
+                        "peak_over_weights_bytes": peak}
+        if native is not None:
+            _decode_run(native, ids[:, :8], 2)
+            n_prefill, n_step, n_tokens, n_peak = _decode_run(native, ids, args.steps)
+            row["native"] = {"prefill_s": n_prefill, "ms_per_step": n_step * 1e3, "tok_per_s": batch / n_step,
+                             "peak_over_weights_bytes": n_peak}
+            row["greedy_tokens_equal"] = bool(torch.equal(tokens, n_tokens))
+            row["greedy_tokens_agreement"] = float((tokens == n_tokens).float().mean())
+            row["speedup"] = n_step / step
+        result["runs"].append(row)
+        print(row, flush=True)
+    if getattr(args, "plot", None):
+        _plot(result, args.plot)
+    return result
+
+
+def _plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - optional dependency
+        raise SystemExit(f"--plot needs matplotlib (pip install 'mla-fuser[plot]'): {exc}")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for batch in sorted({r["batch"] for r in result["runs"]}):
+        runs = sorted((r for r in result["runs"] if r["batch"] == batch), key=lambda r: r["context"])
+        ctx = [r["context"] for r in runs]
+        ax.plot(ctx, [r["fused"]["ms_per_step"] for r in runs], "o-", label=f"fused B={batch}")
+        if all("native" in r for r in runs):
+            ax.plot(ctx, [r["native"]["ms_per_step"] for r in runs], "s--", label=f"native B={batch}")
+    ax.set_xlabel("context length")
+    ax.set_ylabel("ms / decode step")
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"{result['model']} ({result['device']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

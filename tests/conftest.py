@@ -1,0 +1,30 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
+
+
+def tiny_deepseek(arch="deepseek_v2", attn="sdpa", seed=0, layers=2, **overrides):
+    """A tiny DeepSeek-V2/V3 causal LM with seeded random weights (float32, eval mode)."""
+    from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
+
+    kwargs = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
+                  qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                  first_k_dense_replace=1, vocab_size=128, max_position_embeddings=256, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+    if arch == "deepseek_v3":
+        kwargs.update(n_group=2, topk_group=1, n_shared_experts=1)
+    kwargs.update(overrides)
+    config = (DeepseekV2Config if arch == "deepseek_v2" else DeepseekV3Config)(**kwargs)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
