@@ -19,9 +19,17 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _cache_kwarg(model) -> str:
+    """Transformers renamed ``past_key_values`` to ``cache`` in 5.2x; use whichever this version takes."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _decode_run(model, ids, steps):
     from transformers import DynamicCache
 
+    key = _cache_kwarg(model)
     device = ids.device
     cache = DynamicCache(config=model.config)
     if device.type == "cuda":
@@ -30,14 +38,14 @@ def _decode_run(model, ids, steps):
     with torch.no_grad():
         _sync(device)
         t0 = time.perf_counter()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, use_cache=True, **{key: cache})
         _sync(device)
         prefill = time.perf_counter() - t0
         token = out.logits[:, -1:].argmax(-1)
         tokens = [token]
         t0 = time.perf_counter()
         for _ in range(steps):
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, use_cache=True, **{key: cache})
             token = out.logits[:, -1:].argmax(-1)
             tokens.append(token)
         _sync(device)

@@ -1,0 +1,143 @@
+"""The vllm_mla attention function: absorbed path vs expanded attention, masks, indices, sinks."""
+
+import pytest
+import torch
+
+import mla_fuser  # noqa: F401
+from mla_fuser.attention_interfaces import padded_attention, vllm_mla_attention
+from mla_fuser.fusers.mla import PLAN_ATTR, MLAMatch, MLAPlan
+from mla_fuser.kernels.mla_attention import mla_attention_ref
+
+
+class FakeAttn(torch.nn.Module):
+    def __init__(self, heads=3, nope=8, rope=4, v=6, rank=16, bias=False):
+        super().__init__()
+        self.kv_up = torch.nn.Linear(rank, heads * (nope + v), bias=bias)
+        self.is_causal = True
+        self.dims = (heads, nope, rope, v, rank)
+        match = MLAMatch(None, "a", "b", "c", "d", "e", "kv_up", "o", heads, nope, rope, v, rank, 4)
+        setattr(self, PLAN_ATTR, MLAPlan(match))
+
+    def expand(self, kv_c, k_pe):
+        heads, nope, rope, v, rank = self.dims
+        b, _, t, _ = kv_c.shape
+        kv = self.kv_up(kv_c).view(b, t, heads, nope + v).transpose(1, 2)
+        k_nope, val = kv.split([nope, v], -1)
+        return torch.cat([k_nope, k_pe.expand(-1, heads, -1, -1)], -1), val
+
+
+def _inputs(batch=2, s=3, t=7, mod=None):
+    heads, nope, rope, v, rank = mod.dims
+    q = torch.randn(batch, heads, s, nope + rope)
+    kv_c = torch.randn(batch, 1, t, rank)
+    k_pe = torch.randn(batch, 1, t, rope)
+    return q, kv_c, k_pe
+
+
+def _left_padded_mask(batch, s, t, pad):
+    allowed = torch.ones(batch, 1, s, t, dtype=torch.bool).tril(diagonal=t - s)
+    for b, p in enumerate(pad):
+        allowed[b, :, :, :p] = False
+    return allowed
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("s,t", [(1, 7), (4, 4), (3, 9)])
+def test_absorbed_equals_expanded(bias, s, t):
+    mod = FakeAttn(bias=bias)
+    q, kv_c, k_pe = _inputs(s=s, t=t, mod=mod)
+    mask = _left_padded_mask(2, s, t, [0, 2])
+    key, value = mod.expand(kv_c, k_pe)
+    fused, _ = vllm_mla_attention(mod, q, kv_c, k_pe, mask, scaling=0.3)
+    ref = padded_attention(mod, q, key, value, mask, scaling=0.3)
+    assert fused.shape == (2, s, 3, 6)
+    assert torch.allclose(fused, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_no_mask_prefill_is_causal_like_sdpa():
+    mod = FakeAttn()
+    q, kv_c, k_pe = _inputs(s=5, t=5, mod=mod)
+    key, value = mod.expand(kv_c, k_pe)
+    fused, _ = vllm_mla_attention(mod, q, kv_c, k_pe, None, scaling=0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, key, value, is_causal=True, scale=0.3).transpose(1, 2)
+    assert torch.allclose(fused, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_fully_masked_rows_are_finite():
+    mod = FakeAttn()
+    q, kv_c, k_pe = _inputs(s=3, t=5, mod=mod)
+    mask = torch.zeros(2, 1, 3, 5, dtype=torch.bool)
+    out, _ = vllm_mla_attention(mod, q, kv_c, k_pe, mask, scaling=0.3)
+    assert torch.isfinite(out).all()
+    del mod.__dict__[PLAN_ATTR]
+    key, value = FakeAttn().expand(kv_c, k_pe)
+    out2, _ = vllm_mla_attention(mod, q, key, value, mask, scaling=0.3)
+    assert torch.isfinite(out2).all()
+
+
+def test_indices_select_keys_like_a_mask():
+    mod = FakeAttn()
+    q, kv_c, k_pe = _inputs(s=2, t=6, mod=mod)
+    indices = torch.tensor([[[0, 3], [1, -1]], [[5, 4], [2, 2]]], dtype=torch.int32)  # [B, S, topk], -1 = none
+    selected = torch.zeros(2, 1, 2, 6, dtype=torch.bool)
+    for b in range(2):
+        for s in range(2):
+            for i in indices[b, s].tolist():
+                if i >= 0:
+                    selected[b, 0, s, i] = True
+    full = torch.ones(2, 1, 2, 6, dtype=torch.bool)
+    out, _ = vllm_mla_attention(mod, q, kv_c, k_pe, full, scaling=0.3, indices=indices)
+    key, value = mod.expand(kv_c, k_pe)
+    ref = padded_attention(mod, q, key, value, selected, scaling=0.3)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_sinks_join_the_normaliser():
+    mod = FakeAttn()
+    q, kv_c, k_pe = _inputs(s=2, t=4, mod=mod)
+    sinks = torch.tensor([0.5, -1.0, 2.0])
+    out, _ = vllm_mla_attention(mod, q, kv_c, k_pe, None, scaling=0.3, s_aux=sinks)
+    key, value = mod.expand(kv_c, k_pe)
+    scores = torch.matmul(q, key.transpose(-1, -2)) * 0.3
+    scores = scores.masked_fill(~torch.ones(2, 4, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
+    logits = torch.cat([scores, sinks.view(1, 3, 1, 1).expand(2, 3, 2, 1)], -1)
+    probs = torch.softmax(logits, -1)[..., :-1]
+    ref = torch.matmul(probs, value).transpose(1, 2)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_padded_attention_matches_eager_with_gqa_and_smaller_v():
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    mod = torch.nn.Module()
+    mod.is_causal, mod.num_key_value_groups, mod.training = True, 2, False
+    q = torch.randn(2, 4, 3, 12)
+    k = torch.randn(2, 2, 5, 12)
+    v = torch.randn(2, 2, 5, 8)
+    mask = _left_padded_mask(2, 3, 5, [1, 0])
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    ref, _ = eager_attention_forward(mod, q, k, v, additive, scaling=0.25)
+    out = padded_attention(mod, q, k, v, mask, scaling=0.25)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_latent_shape_mismatch_is_a_clear_error():
+    mod = FakeAttn()
+    q, kv_c, k_pe = _inputs(mod=mod)
+    with pytest.raises(RuntimeError, match="expected \\[B, 1, T, 16\\]"):
+        vllm_mla_attention(mod, q, kv_c[..., :8], k_pe, None, scaling=0.3)
+
+
+def test_reference_kernel_shapes():
+    b, h, s, t, nope, rope, rank, v = 1, 2, 3, 4, 5, 2, 6, 3
+    out = mla_attention_ref(torch.randn(b, h, s, nope), torch.randn(b, h, s, rope), torch.randn(b, t, rank),
+                            torch.randn(b, t, rope), torch.randn(h, nope, rank), torch.randn(h, v, rank), 0.5)
+    assert out.shape == (b, s, h, v)
+
+
+def test_registration():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert AttentionInterface._global_mapping["vllm_mla"] is vllm_mla_attention
+    assert "vllm_mla" in AttentionMaskInterface._global_mapping
