@@ -134,6 +134,11 @@ def fuse(model: nn.Module) -> FusionReport:
         report.rows.append(apply_mla(module, match, name))
     if not report.fused("mla") and not disabled:
         report.notes.append("no MLA module fused: every attention call runs padded full attention")
+    elif report.fused("mla") and hasattr(model, "generate"):
+        from .cache import install_auto_paged_cache
+
+        if install_auto_paged_cache(model):
+            report.notes.append("generate() uses a paged latent cache unless another cache is requested")
     _attach(model, report)
     object.__setattr__(model, "_mla_fuser_done", True)
     return report

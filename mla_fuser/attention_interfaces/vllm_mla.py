@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..cache import PAGED_ATTR
 from ..fusers.mla import PLAN_ATTR
+from .paged import gathered_latent, paged_decode
 from ..kernels.mla_attention import masked_softmax, mla_attention
 
 
@@ -52,11 +54,26 @@ def _allowed_mask(attention_mask, batch, heads, q_len, kv_len, device, indices=N
     return allowed, bias
 
 
+def _expand_latent(kv_c, k_pe, kv_b, m):
+    """Per-head K/V from the latent: ``kv_c`` [B, 1, T, rank], ``k_pe`` [B, 1, T, rope]."""
+    batch, _, kv_len, _ = kv_c.shape
+    kv = torch.nn.functional.linear(kv_c[:, 0], kv_b.weight, kv_b.bias)
+    kv = kv.view(batch, kv_len, m.num_heads, m.qk_nope_head_dim + m.v_head_dim).transpose(1, 2)
+    k_nope, value = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+    key = torch.cat([k_nope, k_pe.to(k_nope.dtype).expand(-1, m.num_heads, -1, -1)], dim=-1)
+    return key, value
+
+
 def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indices=None, s_aux=None,
                         sliding_window=None):
     plan = getattr(module, PLAN_ATTR)
     m = plan.match
     batch, heads, q_len, qk_dim = query.shape
+    view = getattr(kv_c, PAGED_ATTR, None)
+    if view is not None:  # the paged latent cache: decode straight from the pages, else read them back
+        if q_len == 1 and attention_mask is None and indices is None and s_aux is None and sliding_window is None:
+            return paged_decode(module, plan, query, view, scaling)
+        kv_c, k_pe = gathered_latent(view, m.kv_lora_rank)
     if kv_c.ndim != 4 or kv_c.shape[1] != 1 or kv_c.shape[-1] != m.kv_lora_rank:
         raise RuntimeError(
             f"vllm_mla: fused module {type(module).__name__} passed a latent of shape {tuple(kv_c.shape)}, "
@@ -65,6 +82,12 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
     if heads != m.num_heads or qk_dim != m.qk_nope_head_dim + m.qk_rope_head_dim:
         raise RuntimeError(f"vllm_mla: query shape {tuple(query.shape)} does not fit the matched head layout")
     kv_b = plan.kv_b(module)
+    if q_len > 1:
+        # prefill is compute-bound: expanding K/V (for the tokens attended to) and running ordinary attention
+        # costs fewer FLOPs than attending in the 576-wide absorbed space
+        key, value = _expand_latent(kv_c, k_pe, kv_b, m)
+        return padded_attention(module, query, key, value, attention_mask, 0.0, scaling, indices, s_aux,
+                                sliding_window)
     w = kv_b.weight.view(m.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
     w_uk, w_uv = w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
     b_v = None
@@ -124,6 +147,8 @@ def vllm_mla_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
         return _tracing_attention_interface(module, query, key, value, attention_mask, **kwargs)
     extra = {k: kwargs.get(k) for k in ("indices", "s_aux", "sliding_window")}
+    if getattr(module, PLAN_ATTR, None) is None and getattr(key, PAGED_ATTR, None) is not None:
+        raise RuntimeError(f"vllm_mla: {type(module).__name__} is not fused but reads a paged latent cache")
     if getattr(module, PLAN_ATTR, None) is not None:
         if dropout and module.training:
             raise NotImplementedError("vllm_mla: attention dropout in training is not supported on fused modules")

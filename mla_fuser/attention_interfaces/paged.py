@@ -1,0 +1,38 @@
+"""Fused MLA attention over the paged latent cache (``mla_fuser.cache``).
+
+* decode (one new token per sequence, no mask / indices / sinks): absorbed attention with the
+  ``mla_decode`` kernel straight from the pages — the latent is read once, no per-head K/V exists;
+* everything else (prefill, chunked prefill, masked decode of left-padded batches, DSA indices, sinks):
+  the latent is gathered from the pages (contiguous ``[B, T, rank + rope]``) and the contiguous fused path
+  runs on it, which expands K/V for prefill (compute-bound) and absorbs for single-token steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.mla_decode import mla_decode
+
+
+def paged_decode(module, plan, query, view, scaling):
+    """``query`` [B, H, 1, nope+rope] → ``[B, 1, H, v]`` via the decode kernel over the pages."""
+    m = plan.match
+    kv_b = plan.kv_b(module)
+    w = kv_b.weight.view(m.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+    w_uk, w_uv = w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
+    q_nope, q_pe = query[:, :, 0].split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+    # [H, B, nope] x [H, nope, rank] -> [H, B, rank]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)
+    q_abs = torch.cat([q_lat, q_pe], dim=-1).to(view.pages.dtype).contiguous()
+    out_lat = mla_decode(q_abs, view.pages, view.block_table, view.seq_lens, scaling, m.kv_lora_rank)
+    # [H, B, rank] x [H, rank, v] -> [H, B, v]
+    out = torch.bmm(out_lat.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
+    if kv_b.bias is not None:
+        out = out + kv_b.bias.view(m.num_heads, -1)[:, m.qk_nope_head_dim:]
+    return out.unsqueeze(1).to(query.dtype)
+
+
+def gathered_latent(view, rank: int):
+    """``(kv_c [B, 1, T, rank], k_pe [B, 1, T, rope])`` read back from the pages."""
+    latent = view.gather()
+    return latent[..., :rank].unsqueeze(1), latent[..., rank:].unsqueeze(1)

@@ -1,0 +1,412 @@
+"""Paged latent KV cache for fused MLA layers, as a Transformers ``Cache`` subclass.
+
+Why pages: Transformers' ``DynamicLayer`` concatenates the whole history at every step (an O(T) copy per
+layer per token) and keeps one contiguous tensor per layer.  Here each fused MLA layer owns a pool of
+fixed-size pages ``[num_pages, page_size, kv_lora_rank + rope]`` (row = ``[kv_c | k_pe]``, the layout the
+decode kernel reads, V being the first ``kv_lora_rank`` columns of the same rows), and each sequence a block
+table and a length.  Writing a step costs O(new tokens); nothing of the history is copied.
+
+* Sizing: ``max_cache_tokens`` (per layer) or ``memory_fraction`` of the device memory free when the first
+  layer is initialised (split across the paged layers).  When the pool cannot hold a step, a
+  ``CachePoolExhausted`` error says how many pages were needed and how many are free; the step writes
+  nothing, so other sequences (also other caches sharing the pool) are untouched.
+* Pools can be shared by several caches (``PagedLatentCache(..., share_pools_with=other)``): one budget for
+  concurrent requests.
+* ``static=True`` allocates every sequence's pages up front (for ``max_seq_len`` tokens), so a decode step
+  only does device-side index arithmetic: the shapes and addresses a CUDA graph needs stay fixed.
+* Non-MLA layers (hybrid models), DSA layers with indexer caches and unfused MLA layers keep the layer
+  Transformers' ``DynamicCache`` would give them.
+* ``generate()``: beam search (``reorder_cache``), ``crop`` (assisted decoding), ``batch_select_indices``
+  and ``batch_repeat_interleave`` are supported; pages live on each layer's own device.
+
+``update`` returns stand-in tensors of the right shape ``[B, 1, T, *]`` (stride-0 views, no memory) that
+carry a ``PagedView`` handle; the ``vllm_mla`` attention function reads the pages through the handle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
+
+PAGED_ATTR = "_mla_fuser_paged"
+
+
+class CachePoolExhausted(RuntimeError):
+    """The page pool of a paged latent cache cannot hold the requested tokens."""
+
+
+class PagePool:
+    """Pages of one layer: one tensor and a free list (page ids).
+
+    A ``growable`` pool (the automatic cache of ``generate``) doubles instead of raising when it runs out;
+    a sized pool (``max_cache_tokens`` / ``memory_fraction``) never moves, so its addresses stay fixed."""
+
+    def __init__(self, num_pages: int, page_size: int, width: int, dtype, device, growable: bool = False):
+        if num_pages <= 0:
+            raise ValueError(f"a page pool needs at least one page (got {num_pages})")
+        self.page_size = page_size
+        self.width = width
+        self.growable = growable
+        self.pages = torch.zeros(num_pages, page_size, width, dtype=dtype, device=device)
+        self.free: list[int] = list(range(num_pages - 1, -1, -1))
+
+    def _grow(self, at_least: int) -> None:
+        old = self.num_pages
+        new = max(old, at_least)
+        extra = torch.zeros(new, self.page_size, self.width, dtype=self.pages.dtype, device=self.pages.device)
+        self.pages = torch.cat([self.pages, extra])
+        self.free = list(range(old + new - 1, old - 1, -1)) + self.free
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages.shape[0]
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free) and self.growable:
+            self._grow(n - len(self.free))
+        if n > len(self.free):
+            raise CachePoolExhausted(
+                f"paged latent cache: {n} more pages of {self.page_size} tokens needed, only {len(self.free)} of "
+                f"{self.num_pages} free; raise max_cache_tokens / memory_fraction or shorten the batch"
+            )
+        return [self.free.pop() for _ in range(n)]
+
+    def release(self, pages: list[int]) -> None:
+        self.free.extend(reversed(pages))
+
+
+class PagedView:
+    """Handle the attention function receives (attached to the stand-in key tensor)."""
+
+    __slots__ = ("layer", "new_kv_c", "new_k_pe", "query_len")
+
+    def __init__(self, layer: "PagedLatentLayer", new_kv_c, new_k_pe):
+        self.layer, self.new_kv_c, self.new_k_pe = layer, new_kv_c, new_k_pe
+        self.query_len = new_kv_c.shape[2]
+
+    @property
+    def pages(self):
+        return self.layer.pool.pages
+
+    @property
+    def block_table(self):
+        return self.layer.block_table
+
+    @property
+    def seq_lens(self):
+        return self.layer.seq_lens
+
+    def gather(self) -> torch.Tensor:
+        """The whole cached latent of every sequence, contiguous: ``[B, T, width]`` (prefill, torch paths)."""
+        return self.layer.gather()
+
+
+class PagedLatentLayer(CacheLayerMixin):
+    """One fused MLA layer's paged latent: per sequence a block table (page ids) and a length."""
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, cache: "PagedLatentCache", layer_idx: int):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.pool: PagePool | None = None
+        self.host_tables: list[list[int]] = []
+        self.host_lens: list[int] = []
+        self.block_table: torch.Tensor | None = None  # int32 [B, max_pages]
+        self.seq_lens: torch.Tensor | None = None  # int32 [B]
+        self.rank = None
+
+    # ------------------------------------------------------------------ set-up
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.rank = key_states.shape[-1]
+        width = key_states.shape[-1] + value_states.shape[-1]
+        self.pool = self.cache._pool_for(self.layer_idx, width, key_states.dtype, key_states.device)
+        self.is_initialized = True
+
+    def _ensure_batch(self, batch: int) -> None:
+        if self.block_table is not None and self.block_table.shape[0] == batch:
+            return
+        if self.host_tables and len(self.host_tables) != batch:
+            raise ValueError(f"paged latent cache holds {len(self.host_tables)} sequences, got a batch of {batch}")
+        self.host_tables = [[] for _ in range(batch)]
+        self.host_lens = [0] * batch
+        self._sync_tables()
+        if self.cache.static:
+            self._reserve([self.cache.max_seq_len] * batch)
+
+    def _sync_tables(self) -> None:
+        width = max([len(t) for t in self.host_tables] + [1])
+        if self.cache.static:
+            width = max(width, math.ceil(self.cache.max_seq_len / self.pool.page_size))
+        table = torch.zeros(len(self.host_tables), width, dtype=torch.int32)
+        for b, pages in enumerate(self.host_tables):
+            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        if self.block_table is not None and self.block_table.shape == table.shape:
+            self.block_table.copy_(table.to(self.device, non_blocking=True))
+        else:
+            self.block_table = table.to(self.device)
+        lens = torch.tensor(self.host_lens, dtype=torch.int32)
+        if self.seq_lens is not None and self.seq_lens.shape == lens.shape:
+            self.seq_lens.copy_(lens.to(self.device, non_blocking=True))
+        else:
+            self.seq_lens = lens.to(self.device)
+
+    def _reserve(self, target_lens: list[int]) -> bool:
+        """Make every sequence hold pages for ``target_lens`` tokens; all-or-nothing.  True if pages moved."""
+        page = self.pool.page_size
+        needs = [max(0, math.ceil(n / page) - len(t)) for n, t in zip(target_lens, self.host_tables)]
+        total = sum(needs)
+        if total == 0:
+            return False
+        if self.cache.static and any(self.host_tables):
+            raise CachePoolExhausted(
+                f"static paged latent cache sized for {self.cache.max_seq_len} tokens per sequence; "
+                f"a sequence needs {max(target_lens)}"
+            )
+        fresh = self.pool.allocate(total)  # raises before anything changed
+        for t, n in zip(self.host_tables, needs):
+            t.extend(fresh[:n])
+            fresh = fresh[n:]
+        self._sync_tables()
+        return True
+
+    # ------------------------------------------------------------------ the Cache layer API
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write ``key_states`` (kv_c [B,1,S,rank]) and ``value_states`` (k_pe [B,1,S,rope]) into pages."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        batch, _, new, _ = key_states.shape
+        self._ensure_batch(batch)
+        target = [n + new for n in self.host_lens]
+        self._reserve(target)
+        page = self.pool.page_size
+        positions = self.seq_lens.view(-1, 1).long() + torch.arange(new, device=self.device).view(1, -1)
+        page_ids = self.block_table.long().gather(1, positions // page)
+        slots = (page_ids * page + positions % page).view(-1)
+        from .kernels.paged_cache_ops import paged_write
+
+        dtype = self.pool.pages.dtype
+        paged_write(self.pool.pages, slots, key_states[:, 0].reshape(-1, key_states.shape[-1]).to(dtype),
+                    value_states[:, 0].reshape(-1, value_states.shape[-1]).to(dtype))
+        self.seq_lens += new
+        self.host_lens = target
+        total = target[0] if target else 0
+        if any(n != total for n in target):
+            raise RuntimeError("paged latent cache: sequences of one batch must advance together")
+        return self._stand_ins(key_states, value_states, total)
+
+    def _stand_ins(self, key_states, value_states, total):
+        kv = key_states.new_empty(1, 1, 1, key_states.shape[-1]).expand(key_states.shape[0], 1, total, -1)
+        pe = value_states.new_empty(1, 1, 1, value_states.shape[-1]).expand(value_states.shape[0], 1, total, -1)
+        setattr(kv, PAGED_ATTR, PagedView(self, key_states, value_states))
+        return kv, pe
+
+    def gather(self) -> torch.Tensor:
+        total = max(self.host_lens) if self.host_lens else 0
+        pages_needed = math.ceil(total / self.pool.page_size)
+        table = self.block_table[:, :pages_needed].long()
+        data = self.pool.pages[table]  # [B, n, P, W]
+        return data.reshape(table.shape[0], -1, self.pool.width)[:, :total]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return max(self.host_lens) if self.host_lens else 0
+
+    def get_max_length(self) -> int:
+        return self.cache.max_seq_len if self.cache.static else -1
+
+    def reset(self) -> None:
+        if self.pool is not None:
+            for t in self.host_tables:
+                self.pool.release(t)
+        self.host_tables, self.host_lens = [], []
+        self.block_table = self.seq_lens = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        if tokens_to_remove == 0 or not self.host_lens:
+            return
+        keep = [max(0, n + tokens_to_remove) for n in self.host_lens]
+        self._shrink(keep)
+
+    def _shrink(self, keep: list[int]) -> None:
+        page = self.pool.page_size
+        for t, n in zip(self.host_tables, keep):
+            extra = len(t) - math.ceil(n / page)
+            if extra > 0 and not self.cache.static:
+                self.pool.release(t[-extra:])
+                del t[-extra:]
+        self.host_lens = keep
+        self._sync_tables()
+
+    def _copy_sequences(self, source: list[int]) -> None:
+        """Sequence i becomes a copy of old sequence ``source[i]`` (beam reorder, selection, repetition)."""
+        total = self.get_seq_length()
+        if total == 0:
+            self.host_tables = [[] for _ in source] if len(source) != len(self.host_tables) else self.host_tables
+            self.host_lens = [0] * len(source)
+            if self.pool is not None:
+                self._sync_tables()
+            return
+        data = self.gather()[torch.as_tensor(source, device=self.device)]  # [B', T, W]
+        old = self.host_tables
+        lens = [self.host_lens[s] for s in source]
+        self.host_tables = [[] for _ in source]
+        self.host_lens = [0] * len(source)
+        for t in old:
+            self.pool.release(t)
+        try:
+            self._reserve(lens)
+        except CachePoolExhausted:
+            raise
+        self.block_table = None
+        self._sync_tables()
+        page = self.pool.page_size
+        positions = torch.arange(total, device=self.device)
+        page_ids = self.block_table.long()[:, positions // page]
+        slots = (page_ids * page + positions % page).reshape(-1)
+        self.pool.pages.view(-1, self.pool.width).index_copy_(0, slots, data.reshape(-1, self.pool.width))
+        self.host_lens = lens
+        self._sync_tables()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.get_seq_length() > 0:
+            self._copy_sequences(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._copy_sequences([b for b in range(len(self.host_lens)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._copy_sequences(torch.as_tensor(indices).tolist())
+
+
+class PagedLatentCache(DynamicCache):
+    """``DynamicCache`` whose fused-MLA layers are paged latent layers.
+
+    Args:
+        model: the fused model (its fused MLA layer indices decide which layers are paged).
+        page_size: tokens per page (default 64).
+        max_cache_tokens: tokens each paged layer's pool holds (all sequences together).
+        memory_fraction: alternatively, the fraction of free device memory all pools may take.
+        static: allocate ``max_seq_len`` tokens per sequence up front (fixed addresses for CUDA graphs).
+        share_pools_with: another ``PagedLatentCache`` of the same model whose pools (budget) to share.
+    """
+
+    def __init__(self, model=None, *, config=None, paged_layers=None, page_size: int = 64,
+                 max_cache_tokens: int | None = None, memory_fraction: float | None = None, static: bool = False,
+                 max_seq_len: int | None = None, share_pools_with: "PagedLatentCache | None" = None,
+                 growable: bool | None = None):
+        if model is not None:
+            config = model.config
+            paged_layers = paged_layer_indices(model) if paged_layers is None else paged_layers
+        if config is None:
+            raise ValueError("PagedLatentCache needs the model (or config= and paged_layers=)")
+        super().__init__(config=config.get_text_config(decoder=True))
+        if page_size <= 0:
+            raise ValueError("page_size must be positive")
+        if max_cache_tokens is not None and memory_fraction is not None:
+            raise ValueError("give max_cache_tokens or memory_fraction, not both")
+        if memory_fraction is not None and not 0 < memory_fraction <= 1:
+            raise ValueError("memory_fraction must be in (0, 1]")
+        if static and max_seq_len is None:
+            raise ValueError("static=True needs max_seq_len")
+        self.page_size = page_size
+        self.max_cache_tokens = max_cache_tokens
+        self.memory_fraction = memory_fraction
+        self.static = static
+        self.max_seq_len = max_seq_len
+        # unsized and not static: start small and grow (the automatic cache of generate)
+        self.growable = (max_cache_tokens is None and memory_fraction is None and not static) if growable is None \
+            else growable
+        self._pools: dict[int, PagePool] = share_pools_with._pools if share_pools_with is not None else {}
+        self.paged_layers = sorted(paged_layers or [])
+        for idx in self.paged_layers:
+            if idx < len(self.layers) and type(self.layers[idx]) is DynamicLayer:
+                self.layers[idx] = PagedLatentLayer(self, idx)
+            elif idx >= len(self.layers):
+                raise ValueError(f"layer {idx} is not a layer of this model's cache")
+
+    def _pool_for(self, layer_idx: int, width: int, dtype, device) -> PagePool:
+        pool = self._pools.get(layer_idx)
+        if pool is not None:
+            if pool.width != width or pool.pages.dtype != dtype or pool.pages.device != torch.device(device):
+                raise ValueError("shared page pool does not fit this layer (width/dtype/device differ)")
+            return pool
+        tokens = self.max_cache_tokens
+        if tokens is None and self.memory_fraction is None:
+            if not (self.growable or self.static):
+                raise ValueError("PagedLatentCache needs max_cache_tokens or memory_fraction to size its pools")
+            tokens = 1024 if not self.static else 0  # static: sized when the batch is known (see below)
+        if tokens is None:
+            if torch.device(device).type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+            else:
+                import psutil  # pragma: no cover - CPU memory budget
+
+                free = psutil.virtual_memory().available
+            per_layer = free * self.memory_fraction / max(1, len(self.paged_layers))
+            tokens = int(per_layer // (width * torch.empty((), dtype=dtype).element_size()))
+        num_pages = max(1, tokens // self.page_size)
+        pool = PagePool(num_pages, self.page_size, width, dtype, device, growable=self.growable or (
+            self.static and self.max_cache_tokens is None and self.memory_fraction is None))
+        self._pools[layer_idx] = pool
+        return pool
+
+    @property
+    def pools(self) -> dict[int, PagePool]:
+        return self._pools
+
+
+def paged_layer_indices(model) -> list[int]:
+    """Layer indices of the fused MLA modules of ``model`` (those get paged layers)."""
+    from .fusers.mla import PLAN_ATTR
+
+    found = set()
+    for module in model.modules():
+        if getattr(module, PLAN_ATTR, None) is not None and isinstance(getattr(module, "layer_idx", None), int):
+            found.add(module.layer_idx)
+    return sorted(found)
+
+
+def _cache_keyword(model) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def install_auto_paged_cache(model) -> bool:
+    """Make ``model.generate`` use a ``PagedLatentCache`` when the caller asks for no particular cache.
+
+    Bound to this instance only (the class and Transformers stay untouched).  Any cache the caller passes,
+    any ``cache_implementation`` (argument or generation config) or ``use_cache=False`` wins.
+    """
+    import types
+
+    if getattr(model, "_mla_fuser_auto_cache", False) or not paged_layer_indices(model):
+        return False
+    generate = type(model).generate
+    keyword = _cache_keyword(model)
+
+    def generate_with_paged_cache(self, *args, **kwargs):
+        config = kwargs.get("generation_config") or self.generation_config
+        wants_default = (
+            kwargs.get("cache") is None and kwargs.get("past_key_values") is None
+            and kwargs.get("cache_implementation", getattr(config, "cache_implementation", None)) is None
+            and kwargs.get("use_cache", getattr(config, "use_cache", True)) is not False
+        )
+        if wants_default:
+            kwargs[keyword] = PagedLatentCache(self)
+        return generate(self, *args, **kwargs)
+
+    model.generate = types.MethodType(generate_with_paged_cache, model)
+    object.__setattr__(model, "_mla_fuser_auto_cache", True)
+    return True

@@ -1,0 +1,169 @@
+"""Paged latent cache: generation equals native, pool budget and isolation, beam search, crop, static."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import mla_fuser
+from mla_fuser.cache import CachePoolExhausted, PagedLatentCache, PagedLatentLayer, paged_layer_indices
+
+from conftest import tiny_deepseek
+
+import inspect
+
+from transformers import DeepseekV2ForCausalLM
+
+# Transformers renamed ``past_key_values`` to ``cache`` in 5.2x; use whichever the installed version takes
+KW = "cache" if "cache" in inspect.signature(DeepseekV2ForCausalLM.forward).parameters else "past_key_values"
+
+
+def _pair(arch="deepseek_v2", **kw):
+    native = tiny_deepseek(arch, **kw)
+    fused = tiny_deepseek(arch, attn="vllm_mla", **kw)
+    mla_fuser.fuse(fused)
+    return native, fused
+
+
+def _prompts(lengths, vocab=128, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    longest = max(lengths)
+    ids = torch.zeros(len(lengths), longest, dtype=torch.long)
+    mask = torch.zeros(len(lengths), longest, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, longest - n:] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[b, longest - n:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_auto_paged_cache_greedy_equals_native(arch):
+    native, fused = _pair(arch)
+    ids, mask = _prompts([7, 7])
+    seen = []
+    orig = PagedLatentLayer.update
+
+    def spy(self, *a, **k):
+        seen.append(self.layer_idx)
+        return orig(self, *a, **k)
+
+    PagedLatentLayer.update = spy
+    try:
+        out = fused.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    finally:
+        PagedLatentLayer.update = orig
+    ref = native.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    assert torch.equal(out, ref)
+    assert seen, "generate did not use the paged cache"
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_left_padded_batch_equals_native(arch, page_size):
+    native, fused = _pair(arch)
+    ids, mask = _prompts([3, 9, 6], seed=1)
+    cache = PagedLatentCache(fused, page_size=page_size, max_cache_tokens=256)
+    out = fused.generate(ids, attention_mask=mask, **{KW: cache}, max_new_tokens=16, do_sample=False)
+    ref = native.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    assert torch.equal(out, ref)
+    assert isinstance(cache.layers[0], PagedLatentLayer)
+    assert cache.get_seq_length() == ids.shape[1] + 16 - 1
+
+
+def test_beam_search_equals_native():
+    native, fused = _pair()
+    ids, mask = _prompts([5, 8], seed=2)
+    kw = dict(attention_mask=mask, max_new_tokens=10, num_beams=2, do_sample=False)
+    assert torch.equal(fused.generate(ids, **kw), native.generate(ids, **kw))
+
+
+def test_sampling_equals_native():
+    native, fused = _pair()
+    ids, mask = _prompts([6], seed=3)
+    torch.manual_seed(7)
+    ref = native.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, top_k=20)
+    torch.manual_seed(7)
+    out = fused.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, top_k=20)
+    assert torch.equal(out, ref)
+
+
+def test_static_paged_cache_equals_native_and_keeps_addresses():
+    native, fused = _pair()
+    ids, mask = _prompts([4, 6], seed=4)
+    cache = PagedLatentCache(fused, page_size=8, static=True, max_seq_len=32, max_cache_tokens=128)
+    out = fused.generate(ids, attention_mask=mask, **{KW: cache}, max_new_tokens=12, do_sample=False)
+    ref = native.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref)
+    layer = cache.layers[1]
+    assert layer.block_table.shape == (2, 4)
+    assert cache.get_max_length() == 32
+
+
+def test_transformers_static_cache_still_works_when_fused():
+    native, fused = _pair()
+    ids, mask = _prompts([4, 6], seed=5)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, cache_implementation="static")
+    assert torch.equal(fused.generate(ids, **kw), native.generate(ids, **kw))
+
+
+def test_crop_then_continue_matches_native():
+    native, fused = _pair()
+    ids, _ = _prompts([10], seed=6)
+    cache = PagedLatentCache(fused, page_size=4, max_cache_tokens=64)
+    ref_cache = DynamicCache(config=native.config)
+    with torch.no_grad():
+        fused(input_ids=ids, **{KW: cache}, use_cache=True)
+        native(input_ids=ids, **{KW: ref_cache}, use_cache=True)
+        cache.crop(-3)
+        ref_cache.crop(-3)
+        assert cache.get_seq_length() == ref_cache.get_seq_length() == 7
+        nxt = torch.tensor([[11, 12]])
+        a = fused(input_ids=nxt, **{KW: cache}, use_cache=True).logits
+        b = native(input_ids=nxt, **{KW: ref_cache}, use_cache=True).logits
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_assisted_decoding_equals_native():
+    native, fused = _pair()
+    assistant = tiny_deepseek(seed=5, layers=1)
+    ids, mask = _prompts([6], seed=8)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, assistant_model=assistant)
+    assert torch.equal(fused.generate(ids, **kw), native.generate(ids, **kw))
+
+
+def test_pool_exhaustion_is_clear_and_leaves_other_sequences_untouched():
+    native, fused = _pair()
+    ids_a, mask_a = _prompts([6], seed=9)
+    ids_b, mask_b = _prompts([40], seed=10)
+    first = PagedLatentCache(fused, page_size=4, max_cache_tokens=40)
+    second = PagedLatentCache(fused, page_size=4, share_pools_with=first)
+    with torch.no_grad():
+        fused(input_ids=ids_a, attention_mask=mask_a, **{KW: first}, use_cache=True)
+        snapshot = {i: p.pages.clone() for i, p in first.pools.items()}
+        with pytest.raises(CachePoolExhausted, match="more pages of 4 tokens needed"):
+            fused(input_ids=ids_b, attention_mask=mask_b, **{KW: second}, use_cache=True)
+    for i, p in first.pools.items():
+        assert torch.equal(p.pages, snapshot[i])
+    # the first request continues exactly like the native model
+    out = fused.generate(ids_a, attention_mask=mask_a, **{KW: PagedLatentCache(fused, max_cache_tokens=64)},
+                         max_new_tokens=6, do_sample=False)
+    ref = native.generate(ids_a, attention_mask=mask_a, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_paged_layers_are_the_fused_ones_and_user_cache_wins():
+    _, fused = _pair()
+    assert paged_layer_indices(fused) == [0, 1]
+    cache = DynamicCache(config=fused.config)
+    ids, mask = _prompts([5], seed=11)
+    fused.generate(ids, attention_mask=mask, **{KW: cache}, max_new_tokens=3, do_sample=False)
+    assert type(cache) is DynamicCache and cache.get_seq_length() > 0
+
+
+def test_bad_arguments():
+    _, fused = _pair()
+    with pytest.raises(ValueError, match="not both"):
+        PagedLatentCache(fused, max_cache_tokens=10, memory_fraction=0.5)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        PagedLatentCache(fused, static=True)
+    with pytest.raises(ValueError, match="memory_fraction"):
+        PagedLatentCache(fused, memory_fraction=2.0)
