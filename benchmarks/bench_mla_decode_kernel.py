@@ -46,11 +46,14 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of BxL")
     p.add_argument("--page-size", type=int, default=PAGE)
     p.add_argument("--num-splits", type=int, default=None, help="force the KV split count (default: auto)")
-    p.add_argument("--config", default=None, help="force a tile config: BLOCK_H,BLOCK_N,num_warps,num_stages")
+    p.add_argument("--config", default=None,
+                   help="force a tile config: BLOCK_H,BLOCK_N,num_warps,num_stages[,swap_ab 0/1[,ctas_per_sm]]")
     p.add_argument("--sweep", action="store_true", help="also time a grid of tile configs per case")
     p.add_argument("--sweep-splits", action="store_true", help="also time several split counts per case")
     p.add_argument("--sweep-max-configs", type=int, default=0, help="cap the configs swept per H (0: all)")
-    p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays instead of do_bench")
+    p.add_argument("--sweep-shapes", default=None, help="comma list of BxL to sweep on (default: all shapes)")
+    p.add_argument("--no-eager", action="store_true", help="skip the do_bench (eager) timing of the main rows")
+    p.add_argument("--graph-replays", type=int, default=15, help="CUDA-graph replays per timing")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
@@ -66,27 +69,36 @@ def parse_args(argv=None):
         )
     args.heads = [int(h) for h in args.heads.split(",") if h]
     args.shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",") if s]
+    if args.sweep_shapes:
+        args.sweep_shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.sweep_shapes.split(",") if s]
     if args.config:
         parts = [int(x) for x in args.config.split(",")]
-        if len(parts) != 4:
-            p.error("--config needs BLOCK_H,BLOCK_N,num_warps,num_stages")
+        if not 4 <= len(parts) <= 6:
+            p.error("--config needs BLOCK_H,BLOCK_N,num_warps,num_stages[,swap_ab[,ctas_per_sm]]")
         args.config = parts
     return args
 
 
 def sweep_configs(H):
-    """Candidate tile configs.  Shared memory per stage is BLOCK_N*576*2 bytes (72 KB at 64), so
-    BLOCK_N=64 allows 2 stages and BLOCK_N=32 up to 4 on Hopper's 227 KB; configs that do not fit
-    fail to compile and are recorded as errors."""
-    from mla_fuser.kernels.mla_decode import MLADecodeConfig
+    """Candidate tile configs (a few dozen: each costs a compile).  Shared memory per pipeline stage
+    is BLOCK_N*576*2 bytes (72 KB at BLOCK_N=64); configs that do not fit fail to compile and are
+    recorded as errors.  ``swap_ab`` turns the head tile into the MMA's N dimension (wgmma-able)."""
+    from mla_fuser.kernels.mla_decode import MLADecodeConfig as C
 
+    cta = 2 if H <= 16 else 1
     out = []
-    bhs = [16] if H <= 16 else [16, 32, 64]
-    for bh in bhs:
-        for bn in (32, 64):
-            for nw in (4, 8):
-                for ns in ((1, 2, 3, 4) if bn == 32 else (1, 2, 3)):
-                    out.append(MLADecodeConfig(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns))
+    if H <= 16:
+        # On an H200 (triton 3.6) the 16x64 tile with 4 warps won clearly; swap_ab (wgmma) and
+        # 8 warps lost 10-40%.  Kept small so a sweep stays cheap.
+        out += [C(16, 64, 4, 2, False, cta), C(16, 64, 4, 3, False, cta), C(16, 32, 4, 2, False, cta),
+                C(16, 64, 8, 2, False, cta), C(16, 64, 4, 2, True, cta), C(16, 128, 4, 1, False, cta),
+                C(16, 64, 4, 2, False, 3)]
+    else:
+        # BLOCK_N=128 spans two 64-token pages (per-row page lookup); with 8 warps the two
+        # warpgroups split the QK^T product's N = BLOCK_N, so a wider tile feeds wgmma better.
+        out += [C(64, 64, 8, 2, False, cta), C(64, 32, 8, 3, False, cta), C(32, 64, 4, 2, False, cta),
+                C(64, 128, 8, 1, False, cta), C(64, 128, 8, 2, False, cta), C(64, 128, 4, 1, True, cta),
+                C(64, 32, 8, 3, True, cta), C(64, 64, 8, 2, True, cta), C(128, 64, 8, 1, True, cta)]
     return out
 
 
@@ -129,28 +141,77 @@ def make_inputs_fast(B, L, H, page_size, device, dtype, seed):
 
 
 class Timer:
+    """Median milliseconds of a call.
+
+    * ``eager``: ``triton.testing.do_bench`` (warm-up, L2 flushed before each call, median).  A call
+      whose host work (Python, the custom op, two launches) outlasts the GPU work measures the host.
+    * ``graph``: the call captured ``k`` times in a CUDA graph, cycling over several copies of the
+      inputs when one copy fits in L2 (so every call reads cold cache lines from HBM), replays timed
+      with CUDA events; median over replays of (replay time / calls).  This is what a model served
+      with CUDA graphs sees, and what the targets refer to.
+    """
+
     def __init__(self, args, device):
         self.args, self.device = args, device
 
-    def __call__(self, fn):
-        """Median milliseconds of fn()."""
-        import torch
-
+    def eager(self, fn):
         if self.device == "cpu":
-            fn()
-            ts = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e3)
-            return sorted(ts)[1]
+            return self._cpu(fn)
         import triton.testing
 
-        if self.args.cuda_graph:
-            fn()
-            torch.cuda.synchronize()
-            return triton.testing.do_bench_cudagraph(fn, rep=self.args.rep, return_mode="median")
         return triton.testing.do_bench(fn, warmup=self.args.warmup, rep=self.args.rep, return_mode="median")
+
+    def graph(self, fns):
+        """fns: one callable per input copy."""
+        if self.device == "cpu":
+            return self._cpu(fns[0])
+        import torch
+
+        for f in fns:  # compile + warm up outside the capture
+            f()
+        torch.cuda.synchronize()
+        t0 = torch.cuda.Event(enable_timing=True)
+        t1 = torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for f in fns:
+            f()
+        t1.record()
+        torch.cuda.synchronize()
+        per_call = max(t0.elapsed_time(t1) / len(fns), 1e-3)
+        k = max(1, min(200, int(2.0 / per_call / len(fns))))  # ~2 ms of work per replay
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            with torch.cuda.graph(g, stream=s):
+                for _ in range(k):
+                    for f in fns:
+                        f()
+        torch.cuda.current_stream().wait_stream(s)
+        t_warm = time.perf_counter()
+        while time.perf_counter() - t_warm < 0.05:  # >= 50 ms of replays first: clocks settle
+            g.replay()
+            torch.cuda.synchronize()
+        ts = []
+        for _ in range(max(5, self.args.graph_replays)):
+            t0.record()
+            g.replay()
+            t1.record()
+            torch.cuda.synchronize()
+            ts.append(t0.elapsed_time(t1) / (k * len(fns)))
+        del g
+        ts.sort()
+        return ts[len(ts) // 2]
+
+    @staticmethod
+    def _cpu(fn):
+        fn()
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return sorted(ts)[1]
 
 
 def copy_bandwidth(timer, device, dry):
@@ -159,7 +220,7 @@ def copy_bandwidth(timer, device, dry):
     n = (1 << 16) if dry else (1 << 30)  # 2 GiB of bf16 each side on the GPU
     x = torch.randn(n, device=device).to(torch.bfloat16)
     y = torch.empty_like(x)
-    ms = timer(lambda: y.copy_(x))
+    ms = timer.eager(lambda: y.copy_(x))
     return {"bytes_rw": 2 * x.numel() * 2, "ms": ms, "GBps": 2 * x.numel() * 2 / ms / 1e6}
 
 
@@ -180,27 +241,73 @@ def kernel_info():
             info[attr] = getattr(k1, attr)
     if k1 is not None and hasattr(k1, "metadata") and hasattr(k1.metadata, "shared"):
         info["shared_bytes"] = k1.metadata.shared
+    ptx = getattr(k1, "asm", {}).get("ptx") if k1 is not None else None
+    if ptx:  # which MMA and load paths the compiler chose
+        info["wgmma"] = "wgmma.mma_async" in ptx
+        info["cp_async"] = "cp.async" in ptx
+        info["tma"] = "cp.async.bulk" in ptx
     return info
 
 
 def check_correctness(device, dtype, heads, page_size, dry, gen):
     import torch
 
-    from mla_fuser.kernels.mla_decode import mla_decode, mla_decode_ref
+    from mla_fuser.kernels.mla_decode import MLADecodeConfig, mla_decode, mla_decode_ref, mla_decode_triton
 
     res = []
     B, L = (3, 130) if dry else (8, 3000)
     for H in heads:
         q, kv, bt, lens = make_inputs(B, L, H, page_size, device, dtype, gen, ragged=True)
         scale = 1.0 / math.sqrt(192)
-        for ns in (None, 1, 7):
-            out = mla_decode(q, kv, bt, lens, scale, R, num_splits=ns)
-            ref = mla_decode_ref(q.float(), kv.float(), bt, lens, scale, R)
+        ref = mla_decode_ref(q.float(), kv.float(), bt, lens, scale, R)
+        bh = 16 if H <= 16 else 64
+        variants = [(None, ns) for ns in (None, 1, 7)]
+        variants += [(MLADecodeConfig(bh, bn, 4, 2, True), ns) for bn in (32, 64) for ns in (None, 5)]
+        variants += [(MLADecodeConfig(bh, 32, 8, 3, False), 3)]
+        if dry:  # the interpreter is slow: one default and one swap_ab variant
+            variants = [variants[0], variants[3]]
+        for cfg, ns in variants:
+            if cfg is None:
+                out = mla_decode(q, kv, bt, lens, scale, R, num_splits=ns)
+            else:
+                out = mla_decode_triton(q, kv, bt, lens, scale, R, num_splits=ns, config=cfg)
             rel = ((out.float() - ref).norm() / ref.norm()).item()
             ok = bool(torch.isfinite(out).all()) and rel < 1e-2 and bool((out[0] == 0).all())
-            res.append({"H": H, "B": B, "lens": lens.tolist(), "num_splits": ns, "rel_err": rel, "ok": ok})
-            print(f"check H={H} splits={ns}: rel_err={rel:.2e} {'OK' if ok else 'FAIL'}", flush=True)
+            name = "default" if cfg is None else f"{cfg.block_h},{cfg.block_n},{cfg.num_warps},{cfg.num_stages},swap={int(cfg.swap_ab)}"
+            res.append({"H": H, "B": B, "lens": lens.tolist(), "config": name, "num_splits": ns, "rel_err": rel, "ok": ok})
+            print(f"check H={H} {name} splits={ns}: rel_err={rel:.2e} {'OK' if ok else 'FAIL'}", flush=True)
+        for dt in (torch.float16, torch.float32):  # other dtypes, default configs (compile + numerics)
+            q2, kv2 = q.to(dt), kv.to(dt)
+            ref2 = mla_decode_ref(q2.float(), kv2.float(), bt, lens, scale, R)
+            for ns in (None,) if dry else (None, 3):
+                out = mla_decode(q2, kv2, bt, lens, scale, R, num_splits=ns)
+                rel = ((out.float() - ref2).norm() / ref2.norm()).item()
+                tol = 1e-4 if dt == torch.float32 else 1e-2
+                ok = out.dtype == dt and bool(torch.isfinite(out).all()) and rel < tol and bool((out[0] == 0).all())
+                res.append({"H": H, "B": B, "dtype": str(dt), "config": "default", "num_splits": ns, "rel_err": rel, "ok": ok})
+                print(f"check H={H} {dt} default splits={ns}: rel_err={rel:.2e} {'OK' if ok else 'FAIL'}", flush=True)
+    # paged_write (Triton) vs its torch reference, with padding slots
+    from mla_fuser.kernels.paged_cache_ops import paged_write, paged_write_ref
+
+    kv = torch.randn(64, page_size, R + ROPE, generator=gen).to(dtype).to(device)
+    kv_ref = kv.clone()
+    n = 300
+    slots = torch.randperm(64 * page_size, generator=gen)[:n].to(device)
+    slots[::7] = -1
+    c = torch.randn(n, R, generator=gen).to(dtype).to(device)
+    pe = torch.randn(n, ROPE, generator=gen).to(dtype).to(device)
+    paged_write(kv, slots, c, pe)
+    paged_write_ref(kv_ref, slots, c, pe)
+    ok = bool(torch.equal(kv, kv_ref))
+    res.append({"op": "paged_write", "ok": ok})
+    print(f"check paged_write: {'OK' if ok else 'FAIL'}", flush=True)
     return res
+
+
+def dump(result, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def main(argv=None):
@@ -209,8 +316,9 @@ def main(argv=None):
         # Must be set before triton is imported (its standard library is decorated then).
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["MLA_FUSER_BACKEND"] = "triton"
-        args.heads = [min(h, 20) for h in args.heads]
+        args.heads = sorted({min(h, 20) for h in args.heads})
         args.shapes = [(2, 128), (1, 256)]
+        args.graph_replays = 1
     sys.path.insert(0, ROOT)
     import torch
     import triton
@@ -232,7 +340,8 @@ def main(argv=None):
         "page_size": args.page_size,
         "D": R + ROPE,
         "v_dim": R,
-        "timing": "cuda_graph_median" if args.cuda_graph else "do_bench_median",
+        "timing": "us/GBps/TFLOPs: CUDA-graph replay median, inputs rotated past L2; eager_us: do_bench median",
+        "l2_bytes": getattr(torch.cuda.get_device_properties(0), "L2_cache_size", None) if device == "cuda" else None,
         "dry_run": args.dry_run,
         "args": {k: v for k, v in vars(args).items() if k != "out"},
     }
@@ -246,33 +355,41 @@ def main(argv=None):
 
     forced = None
     if args.config:
-        bh, bn, nw, ns = args.config
-        forced = md.MLADecodeConfig(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns)
+        forced = md.MLADecodeConfig(*args.config[:4], *(bool(x) if i == 0 else x for i, x in enumerate(args.config[4:])))
     scale = 1.0 / math.sqrt(192)
+    l2 = result["l2_bytes"] or (60 << 20)
     cases = []
     for H in args.heads:
         for B, L in args.shapes:
-            q, kv, bt, lens = make_inputs_fast(B, L, H, args.page_size, device, dtype, seed=B * 131 + L)
-            case = {"H": H, "B": B, "L": L}
+            # One input set per copy; several copies when one fits in L2, so graph-timed calls
+            # read HBM like a real decode step (each layer's cache is read once per step).
+            nbytes = B * L * (R + ROPE) * 2
+            n_copies = 1 if device == "cpu" else max(1, min(8, math.ceil(3 * l2 / nbytes)))
+            sets = [make_inputs_fast(B, L, H, args.page_size, device, dtype, seed=B * 131 + L + i) for i in range(n_copies)]
+            q, kv, bt, lens = sets[0]
+            case = {"H": H, "B": B, "L": L, "input_copies": n_copies}
 
             def run(cfg=None, ns=args.num_splits):
                 if cfg is None:
-                    return lambda: md.mla_decode(q, kv, bt, lens, scale, R, num_splits=ns)
-                return lambda: md.mla_decode_triton(q, kv, bt, lens, scale, R, num_splits=ns, config=cfg)
+                    return [lambda s=s: md.mla_decode(*s, scale, R, num_splits=ns) for s in sets]
+                return [lambda s=s: md.mla_decode_triton(*s, scale, R, num_splits=ns, config=cfg) for s in sets]
 
-            fn = run(forced)
-            ms = timer(fn)
-            fn()
+            fns = run(forced)
+            ms = timer.graph(fns)
+            fns[0]()
             case.update(metrics(B, L, H, ms, copy_gbps))
+            if not args.no_eager:
+                case["eager_us"] = timer.eager(fns[0]) * 1e3
             case["config"] = vars(forced or md.default_config(H, dtype))
             case.update(kernel_info())
             print(
-                f"H={H:4d} B={B:4d} L={L:6d}: {case['us']:9.1f} us  {case['GBps']:7.0f} GB/s "
-                f"({case['ratio_to_copy']:.2f}x copy)  {case['TFLOPs']:6.1f} TFLOP/s  "
-                f"splits={case.get('num_splits')} regs={case.get('n_regs')} spills={case.get('n_spills')}",
+                f"H={H:4d} B={B:4d} L={L:6d}: {case['us']:8.1f} us  {case['GBps']:6.0f} GB/s "
+                f"({case['ratio_to_copy']:.2f}x copy)  {case['TFLOPs']:6.1f} TFLOP/s  eager {case.get('eager_us', float('nan')):7.1f} us  "
+                f"splits={case.get('num_splits')} regs={case.get('n_regs')} spills={case.get('n_spills')} "
+                f"wgmma={case.get('wgmma')} cp.async={case.get('cp_async')}",
                 flush=True,
             )
-            if args.sweep:
+            if args.sweep and (not args.sweep_shapes or (B, L) in args.sweep_shapes):
                 rows = []
                 cfgs = sweep_configs(H)
                 if args.sweep_max_configs:
@@ -280,7 +397,7 @@ def main(argv=None):
                 for cfg in cfgs:
                     row = {"config": vars(cfg)}
                     try:
-                        ms = timer(run(cfg))
+                        ms = timer.graph(run(cfg))
                         row.update(metrics(B, L, H, ms, copy_gbps))
                         row.update(kernel_info())
                     except Exception as e:  # e.g. out of shared memory
@@ -293,25 +410,32 @@ def main(argv=None):
                     case["sweep_best"] = best
                     print(f"    sweep best: {best['config']} {best['us']:.1f} us {best['GBps']:.0f} GB/s "
                           f"{best['TFLOPs']:.1f} TFLOP/s ({len(ok)}/{len(rows)} compiled)", flush=True)
+                    for r in sorted(ok, key=lambda r: r["ms"]):
+                        c = r["config"]
+                        print(f"      {c['block_h']:3d} {c['block_n']:3d} w{c['num_warps']} s{c['num_stages']} "
+                              f"swap={int(c['swap_ab'])}: {r['us']:8.1f} us {r['GBps']:6.0f} GB/s {r['TFLOPs']:6.1f} TF "
+                              f"S={r.get('num_splits')} regs={r.get('n_regs')} spill={r.get('n_spills')} "
+                              f"smem={r.get('shared_bytes')} wgmma={r.get('wgmma')} cp.async={r.get('cp_async')}", flush=True)
+                    for r in rows:
+                        if "error" in r:
+                            print(f"      {r['config']}: {r['error'][:120]}", flush=True)
             if args.sweep_splits:
                 rows = []
                 for ns in (1, 2, 4, 8, 16, 32, 64, 128, 256):
                     if ns > bt.shape[1]:
                         break
-                    ms = timer(run(forced, ns))
+                    ms = timer.graph(run(forced, ns))
                     rows.append({"num_splits": ns, **metrics(B, L, H, ms, copy_gbps)})
                 case["splits_sweep"] = rows
-                best = min(rows, key=lambda r: r["ms"])
-                print(f"    splits best: {best['num_splits']} {best['us']:.1f} us {best['GBps']:.0f} GB/s", flush=True)
+                print("    splits: " + "  ".join(f"{r['num_splits']}:{r['us']:.0f}us" for r in rows), flush=True)
             cases.append(case)
-            del q, kv, bt, lens
+            result["cases"] = cases
+            dump(result, args.out)  # after every case: a run cut short still leaves its numbers
+            del q, kv, bt, lens, sets
             if device == "cuda":
                 torch.cuda.empty_cache()
     result["cases"] = cases
-
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    dump(result, args.out)
     print(f"wrote {args.out}")
     print("\nsummary (H, B, L, us, GB/s, x copy, TFLOP/s):")
     for c in cases:

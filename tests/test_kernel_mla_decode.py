@@ -158,6 +158,17 @@ def test_triton_page64_rope0_h5(interp, dtype):
         _check(out, _ref32(q, kv, bt, sl, 0.3, 16), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_swap_ab(interp, dtype):
+    # Transposed-product formulation (S^T = KV Q^T, O^T = KV^T P^T), incl. rope 0 and 2 head tiles.
+    for lens, H, r, rope, ps in [([0, 1, 17, 40], 3, 32, 8, 16), ([9, 70], 20, 16, 0, 32)]:
+        q, kv, bt, sl = make_case(lens, H, r, rope, ps, dtype, seed=30 + H)
+        ref = _ref32(q, kv, bt, sl, 0.2, r)
+        cfg = md.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, swap_ab=True)
+        for ns in (1, 3):
+            _check(md.mla_decode_triton(q, kv, bt, sl, 0.2, r, num_splits=ns, config=cfg), ref, dtype)
+
+
 def test_triton_two_head_tiles_and_config(interp):
     # H=20 with BLOCK_H=16: a full and a partial head tile; explicit config incl. small BLOCK_N.
     lens = [33, 70]
@@ -166,18 +177,31 @@ def test_triton_two_head_tiles_and_config(interp):
     cfg = md.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2)
     for ns in (1, 4):
         _check(md.mla_decode_triton(q, kv, bt, sl, 0.2, 32, num_splits=ns, config=cfg), ref, torch.float32)
-    # block_n larger than the page: the tile becomes the page.
+    # block_n larger than the page: tiles span pages (per-row page lookup).
     cfg = md.MLADecodeConfig(block_h=32, block_n=64)
     _check(md.mla_decode_triton(q, kv, bt, sl, 0.2, 32, num_splits=2, config=cfg), ref, torch.float32)
 
 
+def test_triton_many_splits_chunked_merge(interp):
+    # 150 splits > 128 merged per chunk: the merge runs two chunks, the second all empty.
+    q, kv, bt, sl = make_case([40, 0], 2, 16, 8, 16, torch.float32, seed=17)
+    cfg = md.MLADecodeConfig(block_h=16, block_n=16)
+    out = md.mla_decode_triton(q, kv, bt, sl, 0.3, 16, num_splits=150, config=cfg)
+    _check(out, _ref32(q, kv, bt, sl, 0.3, 16), torch.float32)
+
+
 def test_triton_small_pages_per_row_lookup(interp):
-    # page_size 8 < 16 (no 16-token tile fits in a page): rows look their pages up one by one.
+    # page_size 8 < 16 (no 16-token tile fits in a page) and tiles of 64 over 16-token pages:
+    # rows look their pages up one by one.
     lens = [3, 8, 25]
     q, kv, bt, sl = make_case(lens, 2, 16, 8, 8, torch.float32, seed=13)
     for ns in (1, 3):
         out = md.mla_decode(q, kv, bt, sl, 0.25, 16, num_splits=ns)
         _check(out, _ref32(q, kv, bt, sl, 0.25, 16), torch.float32)
+    q, kv, bt, sl = make_case([70, 5], 3, 16, 8, 16, torch.float32, seed=18)
+    for swap in (False, True):
+        cfg = md.MLADecodeConfig(block_h=16, block_n=64, swap_ab=swap)
+        _check(md.mla_decode_triton(q, kv, bt, sl, 0.25, 16, num_splits=2, config=cfg), _ref32(q, kv, bt, sl, 0.25, 16), torch.float32)
 
 
 def test_triton_noncontiguous_q_and_all_empty(interp):
@@ -214,17 +238,24 @@ def test_custom_op_registered_and_fake(interp):
         fq, fkv, fbt, fsl = (mode.from_tensor(t) for t in (q, kv, bt, sl))
         fo = torch.ops.mla_fuser.mla_decode(fq, fkv, fbt, fsl, 0.3, 16, None)
         assert fo.shape == (2, 3, 16) and fo.dtype == q.dtype
+        fo = md.mla_decode(fq, fkv, fbt, fsl, 0.3, 16)  # subclass inputs go through the op
+        assert fo.shape == (2, 3, 16)
+        fk = mode.from_tensor(torch.zeros(4, 16, 24))
+        pco.paged_write(fk, mode.from_tensor(torch.arange(3)), mode.from_tensor(torch.ones(3, 16)),
+                        mode.from_tensor(torch.ones(3, 8)))
 
 
 def test_choose_num_splits():
     sms = 132
-    # Never more splits than pages, always >= 1, enough programs when the pages allow it.
-    for B, ht, mp, ps in [(1, 1, 512, 64), (16, 1, 512, 64), (64, 1, 128, 64), (128, 2, 64, 64), (1, 1, 1, 64), (3, 1, 2, 16)]:
-        s = md.choose_num_splits(B, ht, mp, ps, 64, sms)
+    # Always >= 1, never more splits than pages, never below MIN_TILES_PER_SPLIT tiles per split.
+    for B, ht, mp, ps, cta in [(1, 1, 512, 64, 2), (16, 1, 512, 64, 2), (64, 1, 128, 64, 2), (128, 2, 64, 64, 1),
+                               (1, 1, 1, 64, 1), (3, 1, 2, 16, 1), (16, 2, 512, 64, 1)]:
+        s = md.choose_num_splits(B, ht, mp, ps, 64, sms, cta)
         assert 1 <= s <= mp
-        if mp * ps >= 64 * md.MIN_TILES_PER_SPLIT * 2 * sms:
-            assert B * ht * s >= sms
-    assert md.choose_num_splits(300, 1, 128, 64, 64, sms) == 1  # already >= 2 waves
+        assert s == 1 or (mp * ps) // s >= 64 * md.MIN_TILES_PER_SPLIT
+    assert md.choose_num_splits(64, 1, 128, 64, 64, sms, 2) == 4  # 256 programs in 264 slots
+    assert md.choose_num_splits(64, 2, 128, 64, 64, sms, 1) == 1  # 128 programs: one per SM already
+    assert md.choose_num_splits(1, 1, 512, 64, 64, sms, 1) == 119  # B=1: fill the SMs
 
 
 # ------------------------------------------------------------------------------------- paged write

@@ -135,12 +135,14 @@ def paged_write_triton(kv_pages, slot_mapping, kv_c, k_pe) -> None:
     )
 
 
-@torch.library.custom_op("mla_fuser::paged_write", mutates_args=("kv_pages",))
-def _paged_write_op(kv_pages: torch.Tensor, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+def _paged_write_impl(kv_pages: torch.Tensor, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
     if use_triton(kv_pages):
         paged_write_triton(kv_pages, slot_mapping, kv_c, k_pe)
     else:
         paged_write_ref(kv_pages, slot_mapping, kv_c, k_pe)
+
+
+_paged_write_op = torch.library.custom_op("mla_fuser::paged_write", mutates_args=("kv_pages",))(_paged_write_impl)
 
 
 @_paged_write_op.register_fake
@@ -155,8 +157,13 @@ def paged_write(kv_pages, slot_mapping, kv_c, k_pe) -> None:
         kv_pages: ``[num_pages, page_size, D]`` cache, modified in place.
         slot_mapping: int32/int64 ``[N]``; slot = page_id * page_size + offset; < 0 skips the token.
         kv_c: ``[N, v_dim]`` compressed latents; k_pe: ``[N, rope]`` (rope may be 0, or None).
-    Inputs are cast to the cache dtype.  Dispatch (``use_triton(kv_pages)``) is inside the custom op.
+    Inputs are cast to the cache dtype.  Backend: ``use_triton(kv_pages)``.  Under torch.compile the
+    call goes through the ``mla_fuser::paged_write`` custom op (declared as mutating ``kv_pages``);
+    in eager mode its implementation is called directly.
     """
     if k_pe is None:
         k_pe = kv_c.new_empty((kv_c.shape[0], 0))
+    if type(kv_pages) is torch.Tensor and not torch.compiler.is_compiling():
+        _paged_write_impl(kv_pages, slot_mapping, kv_c, k_pe)  # eager: skip the dispatcher's overhead
+        return
     torch.ops.mla_fuser.paged_write(kv_pages, slot_mapping, kv_c, k_pe)
