@@ -1,55 +1,48 @@
 """Fused MoE experts: Triton (under the interpreter on CPU, tiny shapes) vs the torch reference, the reference
 vs a naive per-token loop, the alignment invariants, and the router reference on hand-computed examples.
 
-Interpreter mode: Triton 3.9 reads ``TRITON_INTERPRET`` (via ``triton.knobs``) when ``triton.jit`` wraps a
-function -- at *import* time, for these kernels and for Triton's own ``tl.sum``/``tl.cumsum`` helpers, which
-are jit functions created by ``import triton``.  So it is set here before anything imports Triton (torch
-does not; some Transformers modeling modules do).  If another test module imported Triton first without it,
-the Triton tests below are skipped with that reason (set ``TRITON_INTERPRET=1`` in the environment or a
-conftest then).  ``MLA_FUSER_BACKEND`` is read per call by ``dispatch.use_triton``; a fixture forces
-``triton`` for each test.  With a GPU present the same tests run compiled on CUDA instead.
+Interpreter mode (checked on Triton 3.9): ``triton.jit`` reads ``TRITON_INTERPRET`` when it wraps a function,
+and Triton's own ``tl.sum``/``tl.cumsum`` helpers are wrapped when ``triton`` is imported.  The fused_moe
+kernels are wrapped lazily at first launch, once per mode, and avoid those helpers, so setting the variable
+at *call* time (``monkeypatch.setenv`` in the fixture below) is enough whatever imported Triton before
+(``test_interpreter_flag_after_import`` checks it).  ``MLA_FUSER_BACKEND`` is read per call by
+``dispatch.use_triton``.  With a GPU present the same tests run compiled on CUDA instead.
+
+Interpreter artefacts the tolerances allow for: bf16 dot operands are upcast to fp32 there (its bf16 dot is
+broken; the compiled kernel uses bf16 tensor cores) and its fp32->bf16 conversions truncate.
 """
 
+import importlib.util
 import json
 import os
+import sys
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if importlib.util.find_spec("mla_fuser") is None:  # plain `pytest` from the repo without an install
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mla_fuser.kernels import fused_moe as fm  # noqa: E402
 
+ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
+needs_triton = pytest.mark.skipif(not fm.triton_available(), reason="triton not installed")
 
-
-def _triton_runs_here() -> bool:
-    if ON_GPU:
-        return True
-    try:
-        fm._check_interpreter(torch.empty(0))
-    except RuntimeError:
-        return False
-    return True
-
-
-needs_triton = pytest.mark.skipif(
-    not _triton_runs_here(), reason="Triton was imported before TRITON_INTERPRET=1 was set (see module docstring)"
-)
-
-# Tile config small enough for the interpreter; BLOCK_M=16 is the minimum tl.dot M.
+# Tile config small enough for the interpreter; BLOCK_M=16 is the minimum tl.dot M; SCAN_P below the pair
+# count so the small path scans the ids in several steps.
 TINY = {
-    "gemm1": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2),
-    "gemm2": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2),
+    "gemm1": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2, SCAN_P=16),
+    "gemm2": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2, SCAN_P=32),
+    "gemv2": dict(BLOCK_N=8, BLOCK_K=8, num_warps=4, num_stages=2),  # 2 steps over I=16
 }
 H, I, E = 32, 16, 6  # hidden, intermediate, experts
 
 
 @pytest.fixture(autouse=True)
 def _triton_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
 
 
@@ -165,17 +158,36 @@ def test_triton_matches_ref(path, dtype, bias, interleaved):
 
 
 @needs_triton
-@pytest.mark.parametrize("path", ["small", "aligned"])
-def test_triton_sentinel_ids_gelu_int32(path):
-    """Ids outside [0, E) contribute nothing; int32 ids; another activation; fp16."""
-    gate_up, down, _, _ = _weights(torch.float16, False)
+@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias,interleaved", [(False, False), (True, True)])
+def test_triton_small_gemv_down(num_tokens, dtype, bias, interleaved):
+    """Up to GEMV_DOWN_MAX_TOKENS tokens the small path fuses the down projection and the K-sum."""
+    assert num_tokens <= fm.GEMV_DOWN_MAX_TOKENS
+    gate_up, down, gub, db = _weights(dtype, bias)
+    hidden = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(10)).to(dtype)
+    ids, w = _routing(num_tokens, 3, weight_dtype=dtype)
+    kw = dict(gate_up_bias=gub, down_bias=db, interleaved=interleaved)
+    ref = fm.fused_experts_ref(hidden, gate_up, down, ids, w, **kw)
+    out = fm.fused_experts_triton(*_dev(hidden, gate_up, down, ids, w), path="small", config=TINY, **_dev_kw(kw))
+    _close(out.cpu(), ref, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("path,gemv_tokens", [("small", "4"), ("small", "0"), ("aligned", "4")])
+def test_triton_sentinel_ids_gelu_int32(path, gemv_tokens, monkeypatch):
+    """Ids outside [0, E) contribute nothing; int32 ids; another activation; fp16; bias on the GEMV path."""
+    monkeypatch.setenv("MLA_FUSER_MOE_GEMV_TOKENS", gemv_tokens)
+    gate_up, down, _, db = _weights(torch.float16, True)
     hidden = torch.randn(4, H, generator=torch.Generator().manual_seed(6)).half()
     ids, w = _routing(4, 2)
     ids[1, 1] = E
     ids[3, 0] = -1
     ids = ids.int()
-    out = fm.fused_experts_triton(*_dev(hidden, gate_up, down, ids, w), activation="gelu", path=path, config=TINY)
-    ref = fm.fused_experts_ref(hidden, gate_up, down, ids, w, activation="gelu")
+    out = fm.fused_experts_triton(
+        *_dev(hidden, gate_up, down, ids, w), down_bias=db.to(DEVICE), activation="gelu", path=path, config=TINY
+    )
+    ref = fm.fused_experts_ref(hidden, gate_up, down, ids, w, down_bias=db, activation="gelu")
     _close(out.cpu(), ref, torch.float16)
 
 
@@ -189,6 +201,9 @@ def test_public_op_dispatch_and_fake():
     ref = fm.fused_experts_ref(hidden.view(6, H), gate_up, down, ids.view(6, 2), w.view(6, 2), **kw).view(2, 3, H)
     out = fm.fused_experts(*_dev(hidden, gate_up, down, ids, w), **_dev_kw(kw))  # auto -> small path, Triton
     _close(out.cpu(), ref, torch.float32)
+    # the registered op itself (what torch.compile sees; eager fused_experts calls the impl directly)
+    out_op = torch.ops.mla_fuser.fused_experts(*_dev(hidden, gate_up, down, ids, w, gub, db), False, "silu", "aligned")
+    _close(out_op.cpu(), ref, torch.float32)
     # fake impl: shape/dtype only
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -205,7 +220,8 @@ def test_public_op_torch_backend_and_empty(monkeypatch):
     gate_up, down, _, _ = _weights(torch.float32, False)
     hidden = torch.randn(3, H)
     ids, w = _routing(3, 2)
-    torch.testing.assert_close(fm.fused_experts(hidden, gate_up, down, ids, w), fm.fused_experts_ref(hidden, gate_up, down, ids, w))
+    ref = fm.fused_experts_ref(hidden, gate_up, down, ids, w)
+    torch.testing.assert_close(fm.fused_experts(hidden, gate_up, down, ids, w), ref)
     monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
     empty = fm.fused_experts(*_dev(hidden[:0], gate_up, down, ids[:0], w[:0]))
     assert empty.shape == (0, H)
@@ -219,6 +235,24 @@ def test_tuned_config_file(tmp_path, monkeypatch):
     assert fm.get_moe_config("small", 4, 2, E) == TINY
     assert fm.get_moe_config("small", 9, 2, E)["gemm1"]["BLOCK_N"] == 32
     assert fm.get_moe_config("aligned", 9, 2, E) == fm._default_config("aligned", 9, 2, E)
+
+
+@needs_triton
+@pytest.mark.skipif(ON_GPU, reason="interpreter only")
+def test_interpreter_flag_after_import():
+    """Triton was imported (by fused_moe, at collection) without TRITON_INTERPRET; the fixture sets it only
+    now, and both paths plus the alignment kernel still run interpreted."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(tl.sum, InterpretedFunction):
+        pytest.skip("triton was imported with TRITON_INTERPRET=1 already: nothing to check")
+    gate_up, down, _, _ = _weights(torch.float32, False)
+    hidden = torch.randn(3, H, generator=torch.Generator().manual_seed(9))
+    ids, w = _routing(3, 2)
+    ref = fm.fused_experts_ref(hidden, gate_up, down, ids, w)
+    for path in ("small", "aligned"):
+        _close(fm.fused_experts_triton(hidden, gate_up, down, ids, w, path=path, config=TINY), ref, torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
