@@ -44,6 +44,23 @@ def _mla_candidate(module: nn.Module) -> bool:
     return any(rmsnorm_width(c) for c in children if not isinstance(c, nn.Linear))
 
 
+def _block_fusers() -> list:
+    """The sibling fuser families (MoE, Mamba): each has ``name``, ``is_candidate(module)``,
+    ``explain(module, example_inputs) -> (match | None, reason)`` and ``apply(module, match, qualname) -> FusionRow``."""
+    import importlib
+
+    found = []
+    for module_name, class_name in (("moe", "MoEFuser"), ("mamba", "MambaFuser")):
+        try:
+            module = importlib.import_module(f"{__package__}.fusers.{module_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"{__package__}.fusers.{module_name}":
+                continue  # that family is not built yet
+            raise
+        found.append(getattr(module, class_name))
+    return found
+
+
 def _capture_inputs(model: nn.Module, names: list[str]) -> dict[str, tuple[tuple, dict]]:
     """Run one tiny forward (3 tokens, no cache) and record each candidate's first call arguments."""
     captured: dict[str, tuple[tuple, dict]] = {}
@@ -111,7 +128,10 @@ def fuse(model: nn.Module) -> FusionReport:
             warnings.warn("VLLM_MLA_DISABLE=1: mla-fuser runs padded full attention, no MLA fusion", stacklevel=2)
             _warned_disabled = True
     names = [n for n, m in model.named_modules() if n and _mla_candidate(m)]
-    captured = _capture_inputs(model, names) if names else {}
+    block_fusers = _block_fusers()
+    block_names = {f: [n for n, m in model.named_modules() if n and f.is_candidate(m)] for f in block_fusers}
+    wanted = sorted(set(names).union(*block_names.values()))
+    captured = _capture_inputs(model, wanted) if wanted else {}
     for name in names:
         module = model.get_submodule(name)
         if getattr(module, PLAN_ATTR, None) is not None:
@@ -132,6 +152,17 @@ def fuse(model: nn.Module) -> FusionReport:
             report.rows.append(FusionRow(name, type(module).__name__, "mla", "fallback", "VLLM_MLA_DISABLE=1"))
             continue
         report.rows.append(apply_mla(module, match, name))
+    for fuser, fuser_names in block_names.items():
+        for name in fuser_names:
+            module = model.get_submodule(name)
+            example = captured.get(name)
+            if captured and example is None:
+                continue
+            match, reason = fuser.explain(module, example)
+            if match is None:
+                report.rows.append(FusionRow(name, type(module).__name__, fuser.name, "fallback", reason))
+            else:
+                report.rows.append(fuser.apply(module, match, name))
     if not report.fused("mla") and not disabled:
         report.notes.append("no MLA module fused: every attention call runs padded full attention")
     elif report.fused("mla") and hasattr(model, "generate"):
