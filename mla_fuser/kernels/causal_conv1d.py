@@ -36,14 +36,18 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .dispatch import triton_interpreting, use_triton
+from .dispatch import triton_available, triton_interpreting, use_triton
 
 try:  # Triton is optional: without it every op runs its torch reference.
     import triton
     import triton.language as tl
+
+    # Triton's own sum combine function, for tl.reduce / tl.associative_scan (see lazy_jit).
+    _SUM = tl.standard._sum_combine
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
+    _SUM = None
 
 __all__ = [
     "causal_conv1d",
@@ -51,41 +55,35 @@ __all__ = [
     "causal_conv1d_ref",
     "causal_conv1d_update",
     "causal_conv1d_update_ref",
-    "lazy_jit",
 ]
 
 _ACTIVATIONS = (None, "silu", "swish")
 
 
 class lazy_jit:
-    """``triton.jit`` deferred to the first launch, one compiled object per interpreter mode.
+    """``triton.jit`` applied at a kernel's first launch, once per interpreter mode.
 
-    Why: triton (3.x, checked on 3.9) reads ``TRITON_INTERPRET`` inside the ``@triton.jit`` decorator, i.e.
-    when the module defining the kernel is imported, and a kernel made then keeps that mode for good.
-    Tests switch the interpreter on with an environment variable; if any earlier import (another test
-    module, the fuser) already loaded this module, a plain ``@triton.jit`` kernel would try to compile for
-    a GPU that is not there.  Deferring the decorator and keying the cache on the current mode makes the
-    variable effective at call time.  Helpers called from inside kernels stay plain ``@triton.jit`` (the
-    interpreter runs JIT helpers fine).
-
-    Usage: ``@lazy_jit`` or ``@lazy_jit(do_not_specialize=[...])`` on the kernel function, then
-    ``kernel[grid](...)`` as usual.
+    Why (checked on triton 3.9): ``triton.jit`` decides interpreter vs compiler when it wraps a function,
+    reading ``TRITON_INTERPRET`` then, and triton's own ``@jit`` helpers (``tl.zeros``, ``tl.sum``,
+    ``tl.cumsum``, ``tl.sigmoid`` ...) are wrapped when ``import triton`` runs; a compiled helper called from
+    an interpreted kernel raises "Cannot call @triton.jit'd outside of the scope of a kernel".  So the SSM
+    kernels are wrapped lazily here and use only builtins (``tl.full``, ``tl.reduce`` /
+    ``tl.associative_scan`` with triton's own sum combine ``_SUM``, which the interpreter runs in numpy,
+    ``1 / (1 + exp(-x))`` for the sigmoid).  Then ``TRITON_INTERPRET=1`` set any time before a call is
+    enough, whatever imported triton earlier (another test module, say).
     """
 
-    def __init__(self, fn=None, **jit_kwargs):
+    def __init__(self, fn):
         self.fn = fn
-        self.jit_kwargs = jit_kwargs
-        self._kernels = {}
-
-    def __call__(self, fn):  # used as @lazy_jit(**kwargs)
-        return lazy_jit(fn, **self.jit_kwargs)
+        self.__name__ = fn.__name__
+        self.__doc__ = fn.__doc__
+        self._by_mode = {}
 
     def get(self):
         mode = triton_interpreting()
-        kernel = self._kernels.get(mode)
+        kernel = self._by_mode.get(mode)
         if kernel is None:
-            kernel = triton.jit(self.fn, **self.jit_kwargs)
-            self._kernels[mode] = kernel
+            kernel = self._by_mode[mode] = triton.jit(self.fn)
         return kernel
 
     def __getitem__(self, grid):
@@ -233,13 +231,13 @@ if triton is not None:
         pid_l = tl.program_id(1)
         pid_b = tl.program_id(2).to(tl.int64)
         offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-        offs_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+        offs_l = (pid_l * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)  # token offsets can pass 2**31
         mask_c = offs_c < C
         mask_l = offs_l < L
         x_base = x_ptr + pid_b * stride_xb + offs_c[None, :] * stride_xc
         if HAS_SEQ:
             seq_t = tl.load(seq_ptr + pid_b * stride_sb + offs_l * stride_sl, mask=mask_l, other=-1)
-        acc = tl.zeros((BLOCK_L, BLOCK_C), dtype=tl.float32)
+        acc = tl.full((BLOCK_L, BLOCK_C), 0.0, tl.float32)
         for k in tl.static_range(W):
             pos = offs_l - (W - 1 - k)
             m = mask_l[:, None] & mask_c[None, :]
@@ -259,7 +257,7 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
         if SILU:
-            acc = acc * tl.sigmoid(acc)
+            acc = acc / (1.0 + tl.exp(-acc))
         o_ptrs = out_ptr + pid_b * stride_ob + offs_c[None, :] * stride_oc + offs_l[:, None] * stride_ol
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_l[:, None] & mask_c[None, :])
 
@@ -267,7 +265,7 @@ if triton is not None:
             if pid_l == 0:
                 # The conv state for the next call: the last FINAL_LEN inputs of concat(init, x).
                 offs_f = tl.arange(0, BLOCK_F)
-                pos_f = L - FINAL_LEN + offs_f
+                pos_f = (L - FINAL_LEN + offs_f).to(tl.int64)
                 mf = (offs_f < FINAL_LEN)[:, None] & mask_c[None, :]
                 fv = tl.load(x_base + pos_f[:, None] * stride_xl, mask=mf & (pos_f >= 0)[:, None], other=0.0)
                 if HAS_INIT:
@@ -320,7 +318,7 @@ if triton is not None:
         if HAS_BIAS:
             b = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
         for t in tl.static_range(T):
-            acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+            acc = tl.full((BLOCK_C,), 0.0, tl.float32)
             for k in tl.static_range(W):
                 j = S + t - (W - 1) + k  # index into concat(state, x)
                 if j < S:
@@ -332,7 +330,7 @@ if triton is not None:
             if HAS_BIAS:
                 acc += b
             if SILU:
-                acc = acc * tl.sigmoid(acc)
+                acc = acc / (1.0 + tl.exp(-acc))
             tl.store(out_ptr + pid_b * stride_ob + offs_c * stride_oc + t * stride_ol,
                      acc.to(out_ptr.dtype.element_ty), mask=mask_c)
 
@@ -484,7 +482,11 @@ def causal_conv1d(
     silu = _check_activation(activation)
     final_len = (weight.shape[-1] if final_state_len is None else int(final_state_len)) if return_final_states else 0
     if use_triton(x, weight):
-        out, final = torch.ops.mla_fuser.causal_conv1d_fwd(x, weight, bias, initial_states, seq_idx, silu, final_len)
+        args = (x, weight, bias, initial_states, seq_idx, silu, final_len)
+        if torch.compiler.is_compiling():
+            out, final = torch.ops.mla_fuser.causal_conv1d_fwd(*args)
+        else:  # eager: skip the custom-op dispatcher (~10-20 us a call)
+            out, final = _conv_fwd_launch(*args)
         return (out, final) if return_final_states else out
     return causal_conv1d_ref(
         x, weight, bias, activation,
@@ -536,5 +538,7 @@ def causal_conv1d_update(
     """
     silu = _check_activation(activation)
     if use_triton(x, conv_state, weight):
-        return torch.ops.mla_fuser.causal_conv1d_update(x, conv_state, weight, bias, silu)
+        if torch.compiler.is_compiling():
+            return torch.ops.mla_fuser.causal_conv1d_update(x, conv_state, weight, bias, silu)
+        return _conv_update_launch(x, conv_state, weight, bias, silu)  # eager: skip the dispatcher
     return causal_conv1d_update_ref(x, conv_state, weight, bias, activation)

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .causal_conv1d import _next_pow2, lazy_jit
+from .causal_conv1d import _SUM, _next_pow2, lazy_jit
 from .dispatch import triton_interpreting, use_triton
 
 try:
@@ -187,6 +187,7 @@ if triton is not None:
         SOFTPLUS: tl.constexpr,
         HAS_SEQ: tl.constexpr,
         STORE_LAST: tl.constexpr,
+        PREFETCH: tl.constexpr,
         BLOCK_I: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_T: tl.constexpr,
@@ -215,23 +216,43 @@ if triton is not None:
         b_base = B_ptr + pid_b * stride_bb + group * stride_bg + offs_n[:, None] * stride_bn
         c_base = C_ptr + pid_b * stride_cb + group * stride_cg + offs_n[:, None] * stride_cn
 
-        h = tl.zeros((BLOCK_I, BLOCK_N), dtype=tl.float32)
+        h = tl.full((BLOCK_I, BLOCK_N), 0.0, tl.float32)
         if HAS_SEQ:
             seq_prev = tl.load(seq_ptr + pid_b * stride_sb)
+        if PREFETCH:  # tile 0's raw inputs; inside the loop the next tile's loads overlap this one's math
+            m0_it = mask_i[:, None] & (offs_t < L)[None, :]
+            m0_nt = mask_n[:, None] & (offs_t < L)[None, :]
+            u_nx = tl.load(u_base + offs_t[None, :] * stride_ul, mask=m0_it, other=0.0)
+            dt_nx = tl.load(dt_base + offs_t[None, :] * stride_dl, mask=m0_it, other=0.0)
+            b_nx = tl.load(b_base + offs_t[None, :] * stride_bl, mask=m0_nt, other=0.0)
+            c_nx = tl.load(c_base + offs_t[None, :] * stride_cl, mask=m0_nt, other=0.0)
         for t0 in range(0, L, BLOCK_T):
-            t = t0 + offs_t
+            t = (t0 + offs_t).to(tl.int64)  # token offsets times strides can pass 2**31
             mask_t = t < L
             m_it = mask_i[:, None] & mask_t[None, :]
             m_nt = mask_n[:, None] & mask_t[None, :]
-            u = tl.load(u_base + t[None, :] * stride_ul, mask=m_it, other=0.0).to(tl.float32)
-            dt = tl.load(dt_base + t[None, :] * stride_dl, mask=m_it, other=0.0).to(tl.float32)
+            if PREFETCH:
+                u = u_nx.to(tl.float32)
+                dt = dt_nx.to(tl.float32)
+                Bt = b_nx.to(tl.float32)
+                Ct = c_nx.to(tl.float32)
+                tn = t + BLOCK_T
+                mn_it = mask_i[:, None] & (tn < L)[None, :]
+                mn_nt = mask_n[:, None] & (tn < L)[None, :]
+                u_nx = tl.load(u_base + tn[None, :] * stride_ul, mask=mn_it, other=0.0)
+                dt_nx = tl.load(dt_base + tn[None, :] * stride_dl, mask=mn_it, other=0.0)
+                b_nx = tl.load(b_base + tn[None, :] * stride_bl, mask=mn_nt, other=0.0)
+                c_nx = tl.load(c_base + tn[None, :] * stride_cl, mask=mn_nt, other=0.0)
+            else:
+                u = tl.load(u_base + t[None, :] * stride_ul, mask=m_it, other=0.0).to(tl.float32)
+                dt = tl.load(dt_base + t[None, :] * stride_dl, mask=m_it, other=0.0).to(tl.float32)
+                Bt = tl.load(b_base + t[None, :] * stride_bl, mask=m_nt, other=0.0).to(tl.float32)
+                Ct = tl.load(c_base + t[None, :] * stride_cl, mask=m_nt, other=0.0).to(tl.float32)
             if HAS_DT_BIAS:
                 dt += dtb[:, None]
             if SOFTPLUS:
                 dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
             dt = tl.where(m_it, dt, 0.0)  # padded tokens: decay 1, input 0 -> state unchanged
-            Bt = tl.load(b_base + t[None, :] * stride_bl, mask=m_nt, other=0.0).to(tl.float32)
-            Ct = tl.load(c_base + t[None, :] * stride_cl, mask=m_nt, other=0.0).to(tl.float32)
 
             dA = tl.exp2(dt[:, None, :] * A[:, :, None])  # [I, N, T]
             dBu = (dt * u)[:, None, :] * Bt[None, :, :]
@@ -244,13 +265,13 @@ if triton is not None:
                 seq_prev = tl.load(seq_ptr + pid_b * stride_sb + tl.minimum(t0 + BLOCK_T, L).to(tl.int64) * stride_sl - stride_sl)
             a_cum, b_cum = tl.associative_scan((dA, dBu), axis=2, combine_fn=_linear_recurrence_combine)
             hs = a_cum * h[:, :, None] + b_cum  # state after each token of the tile
-            y = tl.sum(hs * Ct[None, :, :], axis=1)  # [I, T]
-            h = tl.sum(tl.where((offs_t == BLOCK_T - 1)[None, None, :], hs, 0.0), axis=2)
+            y = tl.reduce(hs * Ct[None, :, :], 1, _SUM)  # [I, T]
+            h = tl.reduce(tl.where((offs_t == BLOCK_T - 1)[None, None, :], hs, 0.0), 2, _SUM)
             if HAS_D:
                 y += u * Dv[:, None]
             if HAS_Z:
                 zv = tl.load(z_base + t[None, :] * stride_zl, mask=m_it, other=0.0).to(tl.float32)
-                y = y * zv * tl.sigmoid(zv)
+                y = y * zv / (1.0 + tl.exp(-zv))
             tl.store(o_base + t[None, :] * stride_ol, y.to(out_ptr.dtype.element_ty), mask=m_it)
 
         if STORE_LAST:
@@ -309,12 +330,12 @@ if triton is not None:
         Cv = tl.load(C_ptr + pid_b * stride_cb + group * stride_cg + offs_n * stride_cn, mask=mask_n, other=0.0).to(tl.float32)
         s = s * dA + (dt * x)[:, None] * Bv[None, :]
         tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_pn)
-        y = tl.sum(s * Cv[None, :], axis=1)
+        y = tl.reduce(s * Cv[None, :], 1, _SUM)
         if HAS_D:
             y += x * tl.load(D_ptr + pid_h * stride_Dh + offs_p * stride_Dp, mask=mask_p, other=0.0).to(tl.float32)
         if HAS_Z:
             zv = tl.load(z_ptr + pid_b * stride_zb + pid_h * stride_zh + offs_p * stride_zp, mask=mask_p, other=0.0).to(tl.float32)
-            y = y * zv * tl.sigmoid(zv)
+            y = y * zv / (1.0 + tl.exp(-zv))
         tl.store(out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_p * stride_op, y.to(out_ptr.dtype.element_ty), mask=mask_p)
 
 
@@ -325,23 +346,32 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
     return b
 
 
-def _scan_launch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, seq_idx, return_last_state, block_i=None, block_t=None, num_warps=None):
+def _scan_out_like(u):
+    """Output [B, I, L] in u's layout when u is channel-last (the mixer's view), else contiguous."""
+    bsz, dim, seqlen = u.shape
+    if u.stride(1) == 1 and dim > 1:
+        return torch.empty(bsz, seqlen, dim, dtype=u.dtype, device=u.device).transpose(1, 2)
+    return torch.empty(bsz, dim, seqlen, dtype=u.dtype, device=u.device)
+
+
+def _scan_launch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, seq_idx, return_last_state, block_i=None,
+                 block_t=None, num_warps=None, prefetch=True):
     bsz, dim, seqlen = u.shape
     dstate = A.shape[-1]
     B4 = B if B.dim() == 4 else B[:, None]
     C4 = C if C.dim() == 4 else C[:, None]
     groups = B4.shape[1]
     ch_per_group = dim // groups
-    out = torch.empty(bsz, seqlen, dim, dtype=u.dtype, device=u.device).transpose(1, 2) if u.stride(1) == 1 \
-        else torch.empty(bsz, dim, seqlen, dtype=u.dtype, device=u.device)
+    out = _scan_out_like(u)
     last = torch.empty(bsz, dim, dstate, dtype=torch.float32, device=u.device) if return_last_state else out
     block_n = _next_pow2(dstate)
     if triton_interpreting():
         block_i = block_i or 4
         block_t = block_t or 8
     else:
-        block_t = block_t or (16 if block_n <= 16 else 8)
-        block_i = block_i or max(1, min(16, 4096 // (block_n * block_t)))
+        # H200, I=4096, N=16, L=2048 (bench --sweep): [4 ch x 16 N x 32 tokens] tiles, 4 warps were best
+        block_t = block_t or (32 if block_n <= 16 else 16)
+        block_i = block_i or max(1, min(16, 2048 // (block_n * block_t)))
     block_i = _largest_pow2_divisor(ch_per_group, block_i)  # a block never straddles two groups
     num_warps = num_warps or 4
     if seq_idx is not None:
@@ -369,6 +399,7 @@ def _scan_launch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, seq_idx, r
         SOFTPLUS=bool(delta_softplus),
         HAS_SEQ=seq_idx is not None,
         STORE_LAST=return_last_state,
+        PREFETCH=bool(prefetch),
         BLOCK_I=block_i,
         BLOCK_N=block_n,
         BLOCK_T=block_t,
@@ -448,7 +479,7 @@ def _selective_scan_fwd_op(
 def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, seq_idx, return_last_state):
     last = u.new_empty(u.shape[0], u.shape[1], A.shape[-1], dtype=torch.float32) if return_last_state \
         else u.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(u), last
+    return _scan_out_like(u), last
 
 
 @torch.library.custom_op("mla_fuser::selective_state_update", mutates_args=("state",))
@@ -502,9 +533,11 @@ def selective_scan(
     if A.is_complex():
         raise NotImplementedError("complex A is not supported")
     if use_triton(u, delta, A, B, C):
-        out, last = torch.ops.mla_fuser.selective_scan_fwd(
-            u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), seq_idx, bool(return_last_state)
-        )
+        args = (u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), seq_idx, bool(return_last_state))
+        if torch.compiler.is_compiling():
+            out, last = torch.ops.mla_fuser.selective_scan_fwd(*args)
+        else:  # eager: skip the custom-op dispatcher (~10-20 us a call)
+            out, last = _scan_launch(*args)
         return (out, last) if return_last_state else out
     return selective_scan_ref(
         u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, seq_idx=seq_idx
@@ -533,5 +566,8 @@ def selective_state_update(
     with transformers' ``mamba_selective_state_update`` / ``mamba2_selective_state_update``.
     """
     if use_triton(state, x, dt, A, B, C):
-        return torch.ops.mla_fuser.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus))
+        args = (state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus))
+        if torch.compiler.is_compiling():
+            return torch.ops.mla_fuser.selective_state_update(*args)
+        return _update_launch(*args)  # eager: skip the custom-op dispatcher (~10-20 us a call)
     return selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
