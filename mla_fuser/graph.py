@@ -15,7 +15,14 @@ Rules of the trace:
 * inputs: the first forward argument is the hidden states (a meta tensor); arguments annotated as a
   transformers ``Cache`` and other arguments without a tensor annotation are passed concretely (their
   default); tensor-like arguments are "wildcards" whose meta value is a 0-d tensor, which broadcasts through
-  element-wise code (rotary embeddings) without inventing a shape.
+  element-wise code (rotary embeddings) without inventing a shape;
+* with real example inputs (``fuse`` captures them with a 3-token forward) every op whose inputs all have real
+  values is also run for real, and the node's meta value is taken from that result: data-dependent children
+  (a DSA indexer's boolean indexing / ``nonzero``) then still get concrete output shapes.  Control flow is never
+  specialised on those values (``bool()`` of a proxy still fails), the example tensors are private copies, and
+  attributes fx adds to the root while tracing (``_tensor_constant<i>``) are removed afterwards;
+* an argument that is literally ``None`` (``x[:, None]``, ``beta=None``) is a known value, distinct from a node
+  whose value is unknown (``UNKNOWN``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import dis
 import inspect
 import operator
 import typing
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -49,12 +57,28 @@ class TraceError(RuntimeError):
     """The module's forward could not be traced; the reason is the message."""
 
 
+class _Unknown:
+    """Marks an input whose meta value is unknown (distinct from a literal ``None`` argument)."""
+
+    def __repr__(self):
+        return "<unknown>"
+
+
+UNKNOWN = _Unknown()
+
+
 def _meta_of(value):
-    """Replace proxies by their meta values (None when unknown) inside nested args."""
+    """Replace proxies by their meta values (``UNKNOWN`` when unknown) inside nested args.
+
+    A literal ``None`` stays ``None`` (``x[:, None]``, ``beta=None``); only a proxy whose node has no value
+    becomes ``UNKNOWN``.
+    """
     if isinstance(value, fx.Proxy):
-        return value.node.meta.get("val", None)
+        val = value.node.meta.get("val", None)
+        return UNKNOWN if val is None else val
     if isinstance(value, fx.Node):
-        return value.meta.get("val", None)
+        val = value.meta.get("val", None)
+        return UNKNOWN if val is None else val
     if isinstance(value, (list, tuple)):
         return type(value)(_meta_of(v) for v in value) if not hasattr(value, "_fields") else value
     if isinstance(value, dict):
@@ -65,7 +89,7 @@ def _meta_of(value):
 
 
 def _contains_unknown(meta_args) -> bool:
-    if meta_args is None:
+    if meta_args is UNKNOWN:
         return True
     if isinstance(meta_args, (list, tuple)):
         return any(_contains_unknown(v) for v in meta_args)
@@ -82,6 +106,22 @@ def _has_wildcard(meta_args) -> bool:
     if isinstance(meta_args, dict):
         return any(_has_wildcard(v) for v in meta_args.values())
     return False
+
+
+class _NoReal(Exception):
+    pass
+
+
+_NO_REAL = object()
+
+
+def _meta_representable(value) -> bool:
+    """Values whose meta copy is meaningful: tensors (not meta ones), and plain containers of them/None/ints."""
+    if isinstance(value, torch.Tensor):
+        return value.device.type != "meta"
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return all(_meta_representable(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, torch.dtype, torch.device, torch.Size))
 
 
 class MetaProxy(fx.Proxy):
@@ -138,8 +178,18 @@ class MetaTracer(fx.Tracer):
         super().__init__()
         self.root_module = root
         self.placeholder_meta: dict[str, object] = {}
+        # real example values of the placeholders (when the trace has real example inputs): every node whose
+        # inputs all have real values is also run for real, and its meta value is taken from that result
+        self.placeholder_real: dict[str, object] = {}
+        self._real: dict[fx.Node, object] = {}
         self._meta_params: dict[int, dict[str, torch.Tensor]] = {}
         self._computing_meta = False
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        # a child run for real (or on meta copies) reads its own parameters plainly, never as graph nodes
+        if self._computing_meta:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return True
@@ -180,6 +230,11 @@ class MetaTracer(fx.Tracer):
         node = proxy.node
         self._computing_meta = True
         try:
+            real = self._compute_real(kind, target, args, kwargs)
+            if real is not _NO_REAL and _meta_representable(real):
+                self._real[node] = real
+                node.meta["val"] = to_meta(real)
+                return proxy
             node.meta["val"] = self._compute_meta(kind, target, args, kwargs)
         except Exception:
             # An op on a wildcard input (a 0-d stand-in for an input of unknown shape) that 0-d cannot
@@ -188,6 +243,55 @@ class MetaTracer(fx.Tracer):
         finally:
             self._computing_meta = False
         return proxy
+
+    def _real_of(self, value):
+        """Replace proxies by their real values inside nested args; raise ``_NoReal`` when one has none."""
+        if isinstance(value, fx.Proxy):
+            if value.node not in self._real:
+                raise _NoReal
+            return self._real[value.node]
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(self._real_of(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._real_of(v) for k, v in value.items()}
+        if isinstance(value, slice):
+            return slice(self._real_of(value.start), self._real_of(value.stop), self._real_of(value.step))
+        return value
+
+    def _compute_real(self, kind, target, args, kwargs):
+        """The op run on real example values (``_NO_REAL`` when an input has none or the op fails).
+
+        Real values make data-dependent children (a DSA indexer's boolean indexing, ``nonzero``) yield the
+        shapes that meta tensors cannot.  Only ever run on a few example tokens; the graph is still only
+        analysed, and control flow is never specialised on these values (``bool()`` of a proxy still fails).
+        """
+        if not self.placeholder_real:
+            return _NO_REAL
+        if kind == "placeholder":
+            return self.placeholder_real.get(target, _NO_REAL)
+        if kind == "output" or (kind == "call_function" and target is _opaque_attention):
+            return _NO_REAL
+        if kind == "get_attr":
+            obj = self.root_module
+            for part in target.split("."):
+                obj = getattr(obj, part)
+            return obj.detach().clone() if isinstance(obj, torch.Tensor) else _NO_REAL
+        try:
+            real_args, real_kwargs = self._real_of(args), self._real_of(kwargs)
+        except _NoReal:
+            return _NO_REAL
+        try:
+            with torch.no_grad():
+                if kind == "call_module":
+                    return self.root_module.get_submodule(target)(*real_args, **real_kwargs)
+                if kind == "call_method":
+                    self_obj, *rest = real_args
+                    return getattr(self_obj, target)(*rest, **real_kwargs)
+                if kind == "call_function":
+                    return target(*real_args, **real_kwargs)
+        except Exception:
+            return _NO_REAL
+        return _NO_REAL
 
     def _compute_meta(self, kind, target, args, kwargs):
         if kind == "placeholder":
@@ -349,6 +453,27 @@ def to_meta(value):
     return value
 
 
+def _all_real(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.device.type != "meta"
+    if isinstance(value, (list, tuple)):
+        return all(_all_real(v) for v in value)
+    if isinstance(value, dict):
+        return all(_all_real(v) for v in value.values())
+    return True
+
+
+def _detached_clone(value):
+    """Private copies of the example tensors (the traced forward may write into its inputs in place)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_detached_clone(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached_clone(v) for k, v in value.items()}
+    return value
+
+
 def _has_tensor(value) -> bool:
     if isinstance(value, torch.Tensor):
         return True
@@ -392,6 +517,8 @@ def trace_module(module: nn.Module, hidden_size: int | None = None, seq_len: int
                 raise TraceError(f"no value for forward argument {p.name!r}")
             if _has_tensor(value):
                 tracer.placeholder_meta[p.name] = to_meta(value)
+                if _all_real(value):
+                    tracer.placeholder_real[p.name] = _detached_clone(value)
             else:
                 concrete_args[p.name] = value
         return _finish_trace(module, tracer, concrete_args, params[0].name, hidden_size)
@@ -411,13 +538,24 @@ def trace_module(module: nn.Module, hidden_size: int | None = None, seq_len: int
 
 
 def _finish_trace(module, tracer, concrete_args, hidden_name, hidden_size) -> TracedModule:
+    attrs_before = set(module.__dict__)
     try:
-        with _attention_traced_opaquely(module):
+        with _attention_traced_opaquely(module), warnings.catch_warnings():
+            # fx warns that it cannot guard concrete container arguments (a dict of shared KV states): the
+            # graph is analysed, never run, so specialisation on them is harmless
+            warnings.filterwarnings("ignore", message="Was not able to add assertion", category=UserWarning)
             graph = tracer.trace(_undecorated_view(module), concrete_args=concrete_args)
     except TraceError:
         raise
     except Exception as exc:
         raise TraceError(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        tracer._real.clear()  # real example values were only needed while tracing
+        tracer.placeholder_real.clear()
+        # fx stores tensors created inside the forward (``torch.zeros(...)``) as ``_tensor_constant<i>``
+        # attributes of the root; the graph is never run, so leave the module exactly as it was
+        for name in set(module.__dict__) - attrs_before:
+            del module.__dict__[name]
     hidden = next((n for n in graph.nodes if n.op == "placeholder" and n.target == hidden_name), None)
     if hidden is None:
         raise TraceError("hidden-states input not found in the traced graph")

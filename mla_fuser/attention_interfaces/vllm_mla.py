@@ -6,9 +6,11 @@ Once a model uses ``vllm_mla`` every attention call of that model reaches this f
 * anything else (unfused MLA instances, non-MLA layers of hybrid models, ``VLLM_MLA_DISABLE=1``) passes
   expanded K/V; we run padded full attention (V padded to the q/k head dim, SDPA, output sliced).
 
-Both paths honour the mask (left padding, static-cache padding), ``indices`` (DSA top-k selection),
-``s_aux`` (attention sinks) and ``sliding_window``; masked scores use the dtype minimum so fully padded rows
-stay finite.
+Both paths honour the mask (left padding, static-cache padding; float masks too), ``indices`` (DSA top-k
+selection), ``s_aux`` (attention sinks), ``sliding_window``, an ``is_causal`` keyword (else the module's
+attribute) and ``softcap``; masked scores use the dtype minimum so fully padded rows stay finite.  What the
+absorbed kernel cannot do exactly (additive biases other than 0 / -inf, softcapping, training dropout) runs on
+K/V expanded from the latent instead, never approximately.  ``position_bias`` is refused loudly.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ def _allowed_mask(attention_mask, batch, heads, q_len, kv_len, device, indices=N
         window = (q_pos - k_pos < sliding_window).view(1, 1, q_len, kv_len)
         allowed = window if allowed is None else allowed & window
     if indices is not None:
+        # DSA top-k: ``[B, S, K]`` (shared by all heads) or ``[B, H, S, K]``; entries < 0 (and, defensively,
+        # >= T) select nothing
         idx = indices.long()
-        idx = torch.where(idx >= 0, idx, torch.full_like(idx, kv_len))
+        idx = torch.where((idx >= 0) & (idx < kv_len), idx, torch.full_like(idx, kv_len))
         counts = torch.zeros(*idx.shape[:-1], kv_len + 1, dtype=torch.int32, device=device)
         counts.scatter_add_(-1, idx, torch.ones_like(idx, dtype=torch.int32))
         selected = (counts[..., :kv_len] > 0)
@@ -54,8 +58,20 @@ def _allowed_mask(attention_mask, batch, heads, q_len, kv_len, device, indices=N
     return allowed, bias
 
 
+def _boolean_mask(allowed, bias):
+    """Fold a float 0 / very-negative mask into a boolean one; anything else cannot be folded (None)."""
+    if bias is None:
+        return allowed
+    keep = bias > torch.finfo(bias.dtype).min / 2
+    if not bool(((bias == 0) | ~keep).all()):
+        return None
+    return keep if allowed is None else allowed & keep
+
+
 def _expand_latent(kv_c, k_pe, kv_b, m):
-    """Per-head K/V from the latent: ``kv_c`` [B, 1, T, rank], ``k_pe`` [B, 1, T, rope]."""
+    """Per-head K/V from the latent: ``kv_c`` [B, 1, T, rank], ``k_pe`` [B, 1, T, rope] → key ``[B, H, T, qk]``,
+    value ``[B, H, T, v]``, exactly as the module's own expansion (``kv_b_proj`` per head ``[k_nope | v]``, the
+    rotary key shared by all heads)."""
     batch, _, kv_len, _ = kv_c.shape
     kv = torch.nn.functional.linear(kv_c[:, 0], kv_b.weight, kv_b.bias)
     kv = kv.view(batch, kv_len, m.num_heads, m.qk_nope_head_dim + m.v_head_dim).transpose(1, 2)
@@ -65,58 +81,69 @@ def _expand_latent(kv_c, k_pe, kv_b, m):
 
 
 def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indices=None, s_aux=None,
-                        sliding_window=None):
+                        sliding_window=None, is_causal=None, dropout=0.0, softcap=None):
     plan = getattr(module, PLAN_ATTR)
     m = plan.match
     batch, heads, q_len, qk_dim = query.shape
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    scale = scaling if scaling is not None else qk_dim ** -0.5
     view = getattr(kv_c, PAGED_ATTR, None)
     if view is not None:  # the paged latent cache: decode straight from the pages, else read them back
-        if q_len == 1 and attention_mask is None and indices is None and s_aux is None and sliding_window is None:
-            return paged_decode(module, plan, query, view, scaling)
+        if (q_len == 1 and attention_mask is None and indices is None and s_aux is None and sliding_window is None
+                and softcap is None and not (dropout and module.training)):
+            return paged_decode(module, plan, query, view, scale)
         kv_c, k_pe = gathered_latent(view, m.kv_lora_rank)
     if kv_c.ndim != 4 or kv_c.shape[1] != 1 or kv_c.shape[-1] != m.kv_lora_rank:
         raise RuntimeError(
             f"vllm_mla: fused module {type(module).__name__} passed a latent of shape {tuple(kv_c.shape)}, "
             f"expected [B, 1, T, {m.kv_lora_rank}]"
         )
+    if k_pe.ndim != 4 or k_pe.shape[1] != 1 or k_pe.shape[-1] != m.qk_rope_head_dim:
+        raise RuntimeError(
+            f"vllm_mla: fused module {type(module).__name__} passed a rotary key of shape {tuple(k_pe.shape)}, "
+            f"expected [B, 1, T, {m.qk_rope_head_dim}]"
+        )
     if heads != m.num_heads or qk_dim != m.qk_nope_head_dim + m.qk_rope_head_dim:
         raise RuntimeError(f"vllm_mla: query shape {tuple(query.shape)} does not fit the matched head layout")
     kv_b = plan.kv_b(module)
-    if q_len > 1:
+    kv_len = kv_c.shape[2]
+    allowed, bias = _allowed_mask(attention_mask, batch, heads, q_len, kv_len, query.device, indices,
+                                  sliding_window, is_causal)
+    folded = _boolean_mask(allowed, bias)
+    if q_len > 1 or (bias is not None and folded is None) or softcap is not None or (dropout and module.training):
         # prefill is compute-bound: expanding K/V (for the tokens attended to) and running ordinary attention
-        # costs fewer FLOPs than attending in the 576-wide absorbed space
+        # costs fewer FLOPs than attending in the 576-wide absorbed space.  The same exact path serves what the
+        # absorbed kernel does not do: additive biases other than 0 / -inf, softcapping, training dropout.
         key, value = _expand_latent(kv_c, k_pe, kv_b, m)
-        return padded_attention(module, query, key, value, attention_mask, 0.0, scaling, indices, s_aux,
-                                sliding_window)
+        return padded_attention(module, query, key, value, attention_mask, dropout, scale, indices, s_aux,
+                                sliding_window, is_causal, softcap)
     w = kv_b.weight.view(m.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
     w_uk, w_uv = w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
     b_v = None
     if kv_b.bias is not None:
         b_v = kv_b.bias.view(m.num_heads, -1)[:, m.qk_nope_head_dim:]
     q_nope, q_pe = query.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-    kv_len = kv_c.shape[2]
-    allowed, bias = _allowed_mask(attention_mask, batch, heads, q_len, kv_len, query.device, indices,
-                                  sliding_window, getattr(module, "is_causal", True))
-    if bias is not None:  # float mask: fold into a boolean one only if it is a pure 0 / very-negative mask
-        allowed = bias > torch.finfo(bias.dtype).min / 2
-        if not bool(((bias == 0) | ~allowed).all()):
-            raise RuntimeError("vllm_mla: float attention masks with biases other than 0/-inf are not supported")
-    return mla_attention(q_nope, q_pe, kv_c[:, 0], k_pe[:, 0], w_uk, w_uv, scaling, allowed, b_v, s_aux)
+    return mla_attention(q_nope, q_pe, kv_c[:, 0], k_pe[:, 0], w_uk, w_uv, scale, folded, b_v, s_aux)
 
 
 def padded_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, indices=None,
-                     s_aux=None, sliding_window=None):
+                     s_aux=None, sliding_window=None, is_causal=None, softcap=None):
     """Full attention on expanded K/V: V padded to the q/k head dim, SDPA, output sliced; ``[B, S, H, Dv]``."""
     batch, heads, q_len, qk_dim = query.shape
     kv_heads, kv_len, v_dim = key.shape[1], key.shape[2], value.shape[-1]
     if kv_heads != heads:
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
     allowed, bias = _allowed_mask(attention_mask, batch, heads, q_len, kv_len, query.device, indices,
-                                  sliding_window, getattr(module, "is_causal", True))
+                                  sliding_window, is_causal)
     scale = scaling if scaling is not None else qk_dim ** -0.5
-    if s_aux is not None:
+    if s_aux is not None or softcap is not None:
         scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if bias is not None:
             scores = (scores + bias.float()).clamp(min=torch.finfo(torch.float32).min)
         probs = masked_softmax(scores, allowed, s_aux)
@@ -126,6 +153,14 @@ def padded_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return out.transpose(1, 2).contiguous()
     if v_dim < qk_dim:
         value = F.pad(value, (0, qk_dim - v_dim))
+    if attention_mask is None and indices is None and (sliding_window is None or kv_len <= sliding_window):
+        # no mask to build: SDPA's own (upper-left) causal flag is exactly what ``_allowed_mask`` would build,
+        # and keeps flash/memory-efficient kernels eligible (a 32k prefill mask would be gigabytes)
+        out = F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout if module.training else 0.0, scale=scale,
+            is_causal=bool(is_causal and q_len > 1),
+        )
+        return out[..., :v_dim].transpose(1, 2).contiguous()
     additive = None
     if allowed is not None or bias is not None:
         minimum = torch.finfo(query.dtype).min
@@ -140,17 +175,30 @@ def padded_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out[..., :v_dim].transpose(1, 2).contiguous()
 
 
+# keyword arguments whose value changes the result and that this function honours; any *other* keyword that
+# Transformers documents as changing the math (``position_bias``...) makes the call fail loudly instead of being
+# dropped.  ``position_ids``, ``cu_seq_lens_*`` / ``max_length_*`` (packed sequences reach us as a mask built by
+# the registered mask function, exactly as for ``sdpa``), ``output_attentions`` and cache bookkeeping are ignored.
+_HONOURED = ("indices", "s_aux", "sliding_window", "is_causal")
+_UNSUPPORTED = ("position_bias",)
+
+
 def vllm_mla_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Entry point registered as ``vllm_mla`` in ``AttentionInterface``; returns ``(out [B,S,H,Dv], None)``."""
     if isinstance(query, torch.fx.Proxy):  # traced while the model already uses vllm_mla
         from ..graph import _tracing_attention_interface
 
         return _tracing_attention_interface(module, query, key, value, attention_mask, **kwargs)
-    extra = {k: kwargs.get(k) for k in ("indices", "s_aux", "sliding_window")}
-    if getattr(module, PLAN_ATTR, None) is None and getattr(key, PAGED_ATTR, None) is not None:
+    for name in _UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"vllm_mla: the '{name}' attention argument is not supported")
+    extra = {k: kwargs.get(k) for k in _HONOURED}
+    softcap = kwargs.get("softcap")
+    fused = getattr(module, PLAN_ATTR, None) is not None
+    if not fused and getattr(key, PAGED_ATTR, None) is not None:
         raise RuntimeError(f"vllm_mla: {type(module).__name__} is not fused but reads a paged latent cache")
-    if getattr(module, PLAN_ATTR, None) is not None:
-        if dropout and module.training:
-            raise NotImplementedError("vllm_mla: attention dropout in training is not supported on fused modules")
-        return fused_mla_attention(module, query, key, value, attention_mask, scaling, **extra), None
-    return padded_attention(module, query, key, value, attention_mask, dropout, scaling, **extra), None
+    if fused:
+        return fused_mla_attention(module, query, key, value, attention_mask, scaling, dropout=dropout,
+                                   softcap=softcap, **extra), None
+    return padded_attention(module, query, key, value, attention_mask, dropout, scaling, softcap=softcap,
+                            **extra), None

@@ -1,9 +1,12 @@
 """Multi-head latent attention: recognised by structure, fused by rewriting the instance's forward.
 
 Roles come from the traced graph, never from names:
-* every ``rmsnorm(linear(hidden_states))`` chain; the KV chain is the one whose linear is wider than its norm
-  (``kv_lora_rank + rope`` vs ``kv_lora_rank``), a chain of equal widths is the q-LoRA down-projection;
-* ``q_b_proj`` / ``kv_b_proj`` are the nearest linears downstream of the two norms;
+* every ``rmsnorm(linear(hidden_states))`` chain with a single nearest linear downstream of its norm (the
+  up-projection); the KV chain is the one whose up-projection feeds the attention call's key/value and not its
+  query (its down-projection is as wide as the norm or wider: ``kv_lora_rank + rope``, equal without RoPE), the
+  q-LoRA chain the one whose up-projection feeds the query (equal widths).  A norm on the rotary part alone
+  (no up-projection after it) is no chain;
+* ``q_b_proj`` / ``kv_b_proj`` are those up-projections;
 * ``o_proj`` is the linear feeding the output; ``q_proj`` (no q-LoRA) is the linear on the hidden states
   whose output reaches the attention call's query;
 * head count and head dims are read off the query and value shapes at the attention call.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.fx as fx
 from torch import nn
 
 from .. import graph as g
@@ -92,38 +96,56 @@ def _match_traced(traced: g.TracedModule) -> MLAMatch:
     linear_nodes = [n for n in traced.graph.nodes if g.is_linear(sub(n))]
     norm_nodes = [n for n in traced.graph.nodes if n.op == "call_module" and g.rmsnorm_width(sub(n))]
 
-    chains = []  # (linear node, norm node)
+    attention = traced.attention_nodes()
+    if len(attention) != 1:
+        raise NoMatch(
+            f"expected exactly one KV chain rmsnorm(linear(x)) feeding one attention call, found "
+            f"{len(attention)} attention calls"
+        )
+    attn = attention[0]
+    if attn.target is not g._opaque_attention:
+        raise NoMatch("attention is computed inline (scaled_dot_product_attention), not through the attention interface")
+    if len(attn.args) < 3:
+        raise NoMatch("the attention call does not take query, key and value")
+    query_node, key_node, value_node = attn.args[:3]
+
+    def feeds(node, target) -> bool:
+        return isinstance(target, fx.Node) and (node is target or g.reaches(node, target))
+
+    chains = []  # (linear node, norm node, up-projection node, feeds query, feeds key/value)
     for norm in norm_nodes:
         if not norm.args or not hasattr(norm.args[0], "op"):
             continue
         src = g.source_through_shape_ops(norm.args[0])
-        if src in linear_nodes and src.args and g.source_through_shape_ops(src.args[0]) is traced.hidden:
-            chains.append((src, norm))
-    kv_chains = [(lin, nrm) for lin, nrm in chains if sub(lin).out_features > g.rmsnorm_width(sub(nrm))]
-    q_chains = [(lin, nrm) for lin, nrm in chains if sub(lin).out_features == g.rmsnorm_width(sub(nrm))]
+        if not (src in linear_nodes and src.args and g.source_through_shape_ops(src.args[0]) is traced.hidden):
+            continue
+        if sub(src).out_features < g.rmsnorm_width(sub(norm)):
+            continue
+        ups = g.nearest_downstream(traced, norm, lambda n: g.is_linear(sub(n)))
+        if len({n.target for n in ups}) != 1:
+            continue  # not a down-projection / norm / up-projection chain (e.g. a norm on the rotary part)
+        up = ups[0]
+        chains.append((src, norm, up, feeds(up, query_node), feeds(up, key_node) or feeds(up, value_node)))
+    # The KV chain's up-projection feeds key/value (never the query); the q-LoRA chain's feeds the query.
+    # Widths only confirm it: the KV down-projection also carries the shared rotary part (equal widths when
+    # the architecture has no RoPE), the q-LoRA one is exactly as wide as its norm.
+    kv_chains = [(lin, nrm, up) for lin, nrm, up, to_q, to_kv in chains if to_kv and not to_q]
+    q_chains = [
+        (lin, nrm, up) for lin, nrm, up, to_q, to_kv in chains
+        if to_q and not to_kv and sub(lin).out_features == g.rmsnorm_width(sub(nrm))
+    ]
     if len(kv_chains) != 1:
-        raise NoMatch(f"expected exactly one KV chain rmsnorm(linear(x)) with a wider linear, found {len(kv_chains)}")
+        raise NoMatch(
+            f"expected exactly one KV chain rmsnorm(linear(x)) whose up-projection feeds key/value, "
+            f"found {len(kv_chains)}"
+        )
     if len(q_chains) > 1:
-        raise NoMatch(f"more than one equal-width rmsnorm(linear(x)) chain ({len(q_chains)})")
+        raise NoMatch(f"more than one query chain rmsnorm(linear(x)) ({len(q_chains)})")
 
-    attention = traced.attention_nodes()
-    if len(attention) != 1:
-        raise NoMatch(f"expected one attention call, found {len(attention)}")
-    attn = attention[0]
-    if attn.target is not g._opaque_attention:
-        raise NoMatch("attention is computed inline (scaled_dot_product_attention), not through the attention interface")
-
-    kv_a, kv_norm = kv_chains[0]
-    kv_b = _single(g.nearest_downstream(traced, kv_norm, lambda n: g.is_linear(sub(n))), "linear after the KV norm")
-    if not g.reaches(kv_b, attn):
-        raise NoMatch("the KV up-projection does not feed the attention call")
+    kv_a, kv_norm, kv_b = kv_chains[0]
     q_a = q_norm = q_b = q_proj = None
-    query_node = attn.args[0]
     if q_chains:
-        q_a, q_norm = q_chains[0]
-        q_b = _single(g.nearest_downstream(traced, q_norm, lambda n: g.is_linear(sub(n))), "linear after the q norm")
-        if not g.reaches(q_b, query_node) and q_b is not query_node:
-            raise NoMatch("the q up-projection does not feed the query")
+        q_a, q_norm, q_b = q_chains[0]
     else:
         on_hidden = [
             n for n in linear_nodes
