@@ -19,8 +19,10 @@ table and a length.  Writing a step costs O(new tokens); nothing of the history 
 * ``generate()``: beam search (``reorder_cache``), ``crop`` (assisted decoding), ``batch_select_indices``
   and ``batch_repeat_interleave`` are supported; pages live on each layer's own device.
 
-``update`` returns stand-in tensors of the right shape ``[B, 1, T, *]`` (stride-0 views, no memory) that
-carry a ``PagedView`` handle; the ``vllm_mla`` attention function reads the pages through the handle.
+``update`` returns stand-in tensors of the right shape ``[B, 1, T, *]`` (stride-0 views of a NaN row, no
+memory) that carry a ``PagedView`` handle; the ``vllm_mla`` attention function reads the pages through the
+handle.  Code that consumed the returned states in any other way (e.g. cross-layer KV sharing into an
+unfused layer) would see NaNs, never plausible garbage.
 """
 
 from __future__ import annotations
@@ -202,8 +204,11 @@ class PagedLatentLayer(CacheLayerMixin):
         return self._stand_ins(key_states, value_states, total)
 
     def _stand_ins(self, key_states, value_states, total):
-        kv = key_states.new_empty(1, 1, 1, key_states.shape[-1]).expand(key_states.shape[0], 1, total, -1)
-        pe = value_states.new_empty(1, 1, 1, value_states.shape[-1]).expand(value_states.shape[0], 1, total, -1)
+        # stride-0 views of one NaN row: no memory, the right shape for code that asks for sizes, and loud
+        # (NaN outputs) rather than silently wrong if anything but the vllm_mla function computes with them
+        fill = float("nan") if key_states.is_floating_point() else 0
+        kv = key_states.new_full((1, 1, 1, key_states.shape[-1]), fill).expand(key_states.shape[0], 1, total, -1)
+        pe = value_states.new_full((1, 1, 1, value_states.shape[-1]), fill).expand(value_states.shape[0], 1, total, -1)
         setattr(kv, PAGED_ATTR, PagedView(self, key_states, value_states))
         return kv, pe
 
