@@ -127,9 +127,11 @@ def fuse(model: nn.Module) -> FusionReport:
         if not _warned_disabled:
             warnings.warn("VLLM_MLA_DISABLE=1: mla-fuser runs padded full attention, no MLA fusion", stacklevel=2)
             _warned_disabled = True
-    names = [n for n, m in model.named_modules() if n and _mla_candidate(m)]
     block_fusers = _block_fusers()
     block_names = {f: [n for n, m in model.named_modules() if n and f.is_candidate(m)] for f in block_fusers}
+    claimed = set().union(*block_names.values()) if block_names else set()
+    # a module another family claims (a Mamba mixer has linears and a norm too) is not an MLA candidate
+    names = [n for n, m in model.named_modules() if n and n not in claimed and _mla_candidate(m)]
     wanted = sorted(set(names).union(*block_names.values()))
     captured = _capture_inputs(model, wanted) if wanted else {}
     for name in names:

@@ -211,6 +211,9 @@ class MetaTracer(fx.Tracer):
         # module plainly instead of recording it a second time.
         if self._computing_meta:
             return forward(*args, **kwargs)
+        if not any(m is sub for sub in self.root_module.modules()):
+            # a module created inside the forward (e.g. ``ACT2FN["silu"](x)``): not a child, trace through it
+            return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:

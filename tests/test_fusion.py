@@ -126,7 +126,7 @@ def test_fused_model_matches_native(q_lora_rank):
     native = tiny_deepseek(q_lora_rank=q_lora_rank)
     fused = tiny_deepseek(q_lora_rank=q_lora_rank, attn="vllm_mla")
     report = mla_fuser.fuse(fused)
-    assert len(report.fused("mla")) == 2 and not report.fallbacks()
+    assert len(report.fused("mla")) == 2 and not report.fallbacks("mla")
     ids = _ids()
     assert _close(_logits(native, ids), _logits(fused, ids))
 
@@ -155,7 +155,7 @@ def test_fuse_switches_an_sdpa_model_to_vllm_mla():
     fused = tiny_deepseek()
     report = mla_fuser.fuse(fused)
     assert fused.config._attn_implementation == "vllm_mla"
-    assert len(report.fused()) == 2
+    assert len(report.fused("mla")) == 2
     ids = _ids()
     assert _close(_logits(native, ids), _logits(fused, ids))
 
@@ -178,7 +178,7 @@ def test_state_dict_round_trip(tmp_path):
     assert torch.allclose(_logits(reloaded, ids), _logits(fused, ids), atol=1e-5, rtol=1e-4)
     # and through the drop-in loader
     again = mla_fuser.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert len(again.fusion_report.fused()) == 2
+    assert len(again.fusion_report.fused("mla")) == 2
     assert torch.allclose(_logits(again, ids), _logits(fused, ids), atol=1e-5, rtol=1e-4)
 
 
@@ -214,10 +214,10 @@ def test_loader_from_config_passes_keywords_and_reports():
     model = mla_fuser.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
     assert type(model).__name__ == "DeepseekV2ForCausalLM"
     assert model.dtype == torch.float64
-    assert len(model.fusion_report.fused()) == 2
+    assert len(model.fusion_report.fused("mla")) == 2
     base = mla_fuser.AutoModel.from_config(config)
     assert type(base).__name__ == "DeepseekV2Model"
-    assert len(base.fusion_report.fused()) == 2
+    assert len(base.fusion_report.fused("mla")) == 2
     plain = mla_fuser.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     assert not plain.fusion_report.rows and "not fused" in plain.fusion_report.notes[0]
 
@@ -244,7 +244,8 @@ def test_vllm_mla_disable(monkeypatch):
         warnings.simplefilter("always")
         report = mla_fuser.fuse(model)
     assert sum("VLLM_MLA_DISABLE" in str(w.message) for w in caught) == 1
-    assert report.rows and all(r.status == "fallback" and r.reason == "VLLM_MLA_DISABLE=1" for r in report.rows)
+    mla_rows = [r for r in report.rows if r.fuser == "mla"]
+    assert mla_rows and all(r.status == "fallback" and r.reason == "VLLM_MLA_DISABLE=1" for r in mla_rows)
     assert any("VLLM_MLA_DISABLE" in n for n in report.notes)
     assert all(getattr(m, PLAN_ATTR, None) is None for m in model.modules())
     ids = _ids()
@@ -276,7 +277,7 @@ def test_model_without_mla_runs_padded_attention():
     model.load_state_dict(native.state_dict())
     native.set_attn_implementation("sdpa")
     report = mla_fuser.fuse(model)
-    assert not report.fused()
+    assert not report.fused("mla")
     assert any("no MLA" in n for n in report.notes)
     ids = _ids()
     assert _close(_logits(native, ids), _logits(model, ids))

@@ -1,6 +1,7 @@
 """Fusers, one per block kind.  ``match(module)`` works on any ``nn.Module`` by structure."""
 
 from .base import Fuser, FusionReport, FusionRow
+from .mamba import MambaFuser, MambaMatch
 from .mla import MLAFuser, MLAMatch
 
-__all__ = ["Fuser", "FusionReport", "FusionRow", "MLAFuser", "MLAMatch"]
+__all__ = ["Fuser", "FusionReport", "FusionRow", "MLAFuser", "MLAMatch", "MambaFuser", "MambaMatch"]
