@@ -227,7 +227,7 @@ def test_left_padded_batch_and_static_cache(arch, overrides):
     _check_report(arch, fused, report)
     if overrides.get("q_lora_rank", 1) is None:
         assert all(
-            getattr(fused.get_submodule(r.qualname), PLAN_ATTR).match.q_lora_rank is None for r in report.fused()
+            getattr(fused.get_submodule(r.qualname), PLAN_ATTR).match.q_lora_rank is None for r in report.fused("mla")
         )
 
     ids, mask = _left_padded_batch()

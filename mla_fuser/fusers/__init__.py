@@ -3,5 +3,7 @@
 from .base import Fuser, FusionReport, FusionRow
 from .mamba import MambaFuser, MambaMatch
 from .mla import MLAFuser, MLAMatch
+from .moe import MoEFuser, MoEMatch
 
-__all__ = ["Fuser", "FusionReport", "FusionRow", "MLAFuser", "MLAMatch", "MambaFuser", "MambaMatch"]
+__all__ = ["Fuser", "FusionReport", "FusionRow", "MLAFuser", "MLAMatch", "MambaFuser", "MambaMatch", "MoEFuser",
+           "MoEMatch"]
