@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .dispatch import triton_available, triton_interpreting, use_triton
+from .dispatch import LazyJit, triton_available, triton_interpreting, use_triton
 
 try:  # Triton is optional: without it every op runs its torch reference.
     import triton
@@ -60,34 +60,7 @@ __all__ = [
 _ACTIVATIONS = (None, "silu", "swish")
 
 
-class lazy_jit:
-    """``triton.jit`` applied at a kernel's first launch, once per interpreter mode.
-
-    Why (checked on triton 3.9): ``triton.jit`` decides interpreter vs compiler when it wraps a function,
-    reading ``TRITON_INTERPRET`` then, and triton's own ``@jit`` helpers (``tl.zeros``, ``tl.sum``,
-    ``tl.cumsum``, ``tl.sigmoid`` ...) are wrapped when ``import triton`` runs; a compiled helper called from
-    an interpreted kernel raises "Cannot call @triton.jit'd outside of the scope of a kernel".  So the SSM
-    kernels are wrapped lazily here and use only builtins (``tl.full``, ``tl.reduce`` /
-    ``tl.associative_scan`` with triton's own sum combine ``_SUM``, which the interpreter runs in numpy,
-    ``1 / (1 + exp(-x))`` for the sigmoid).  Then ``TRITON_INTERPRET=1`` set any time before a call is
-    enough, whatever imported triton earlier (another test module, say).
-    """
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.__name__ = fn.__name__
-        self.__doc__ = fn.__doc__
-        self._by_mode = {}
-
-    def get(self):
-        mode = triton_interpreting()
-        kernel = self._by_mode.get(mode)
-        if kernel is None:
-            kernel = self._by_mode[mode] = triton.jit(self.fn)
-        return kernel
-
-    def __getitem__(self, grid):
-        return self.get()[grid]
+lazy_jit = LazyJit  # see dispatch.LazyJit; also used by selective_scan.py and ssd.py
 
 
 def _check_activation(activation: Optional[str]) -> bool:

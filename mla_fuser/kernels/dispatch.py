@@ -59,3 +59,33 @@ def use_triton(*tensors: torch.Tensor) -> bool:
             )
         return True
     return on_cuda and triton_available()
+
+
+class LazyJit:
+    """``triton.jit`` applied at a kernel's first launch, once per interpreter mode.
+
+    ``triton.jit`` decides at *decoration* time whether it builds a compiled ``JITFunction`` or an
+    ``InterpretedFunction`` (it reads ``TRITON_INTERPRET`` then, in triton 3.x).  Decorating lazily, keyed by
+    the mode at call time, means the interpreter flag only has to be set before the first call (e.g. with
+    ``monkeypatch.setenv`` inside a test), not before the kernel module — or triton — was imported.  Kernels
+    wrapped this way must avoid triton's own ``@jit`` helpers (``tl.sum``, ``tl.zeros``, …), which triton
+    decorates when it is imported; they use builtins and ``tl.reduce`` with triton's combine functions.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", "kernel")
+        self.__doc__ = fn.__doc__
+        self._by_mode = {}
+
+    def get(self):
+        import triton
+
+        mode = triton_interpreting()
+        kernel = self._by_mode.get(mode)
+        if kernel is None:
+            kernel = self._by_mode[mode] = triton.jit(self.fn)
+        return kernel
+
+    def __getitem__(self, grid):
+        return self.get()[grid]

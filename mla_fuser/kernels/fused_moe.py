@@ -69,7 +69,7 @@ from typing import Optional
 
 import torch
 
-from .dispatch import triton_available, triton_interpreting, use_triton
+from .dispatch import LazyJit, triton_available, triton_interpreting, use_triton
 
 if triton_available():
     import triton
@@ -84,25 +84,7 @@ else:  # pragma: no cover - depends on the installation
     _SUM = None
 
 
-class _LazyJit:
-    """Wraps a kernel with ``triton.jit`` at its first launch, once per interpreter mode, so the mode
-    follows ``TRITON_INTERPRET`` at call time rather than at import time."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.__name__ = fn.__name__
-        self.__doc__ = fn.__doc__
-        self._by_mode = {}
-
-    def get(self):
-        mode = triton_interpreting()
-        kernel = self._by_mode.get(mode)
-        if kernel is None:
-            kernel = self._by_mode[mode] = triton.jit(self.fn)
-        return kernel
-
-    def __getitem__(self, grid):
-        return self.get()[grid]
+_LazyJit = LazyJit  # see dispatch.LazyJit
 
 
 __all__ = [

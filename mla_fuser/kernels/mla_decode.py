@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dispatch import triton_available, triton_interpreting, use_triton
+from .dispatch import LazyJit, triton_available, triton_interpreting, use_triton
 
 __all__ = [
     "MLADecodeConfig",
@@ -158,29 +158,7 @@ if triton is not None:
     _SUM_COMBINE = getattr(tl.standard, "_sum_combine", None) or triton.jit(_sum_combine)
 
 
-class _LazyJit:
-    """``triton.jit`` applied at first launch, once per interpreter mode.
-
-    ``triton.jit`` decides at *decoration* time whether it builds a compiled ``JITFunction`` or an
-    ``InterpretedFunction`` (it reads ``TRITON_INTERPRET`` then, in triton 3.x).  Decorating lazily,
-    keyed by the current mode, means the interpreter flag only has to be set before the first call
-    (e.g. with ``monkeypatch.setenv`` inside a test), not before this module is imported.
-    """
-
-    def __init__(self, fn):
-        self.fn = fn
-        self._compiled = {}
-        functools.update_wrapper(self, fn)
-
-    def _get(self):
-        mode = triton_interpreting()
-        k = self._compiled.get(mode)
-        if k is None:
-            k = self._compiled[mode] = triton.jit(self.fn)
-        return k
-
-    def __getitem__(self, grid):
-        return self._get()[grid]
+_LazyJit = LazyJit  # shared with paged_cache_ops; see dispatch.LazyJit
 
 
 def _stage1(
