@@ -191,11 +191,13 @@ class PagedLatentLayer(CacheLayerMixin):
         positions = self.seq_lens.view(-1, 1).long() + torch.arange(new, device=self.device).view(1, -1)
         page_ids = self.block_table.long().gather(1, positions // page)
         slots = (page_ids * page + positions % page).view(-1)
+        from .attention_interfaces.paged import on_device
         from .kernels.paged_cache_ops import paged_write
 
         dtype = self.pool.pages.dtype
-        paged_write(self.pool.pages, slots, key_states[:, 0].reshape(-1, key_states.shape[-1]).to(dtype),
-                    value_states[:, 0].reshape(-1, value_states.shape[-1]).to(dtype))
+        with on_device(self.pool.pages):  # the layer's device (device_map splits), not the current one
+            paged_write(self.pool.pages, slots, key_states[:, 0].reshape(-1, key_states.shape[-1]).to(dtype),
+                        value_states[:, 0].reshape(-1, value_states.shape[-1]).to(dtype))
         self.seq_lens += new
         self.host_lens = target
         total = target[0] if target else 0

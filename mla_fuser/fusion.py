@@ -64,17 +64,23 @@ def _block_fusers() -> list:
 def _capture_inputs(model: nn.Module, names: list[str]) -> dict[str, tuple[tuple, dict]]:
     """Run one tiny forward (3 tokens, no cache) and record each candidate's first call arguments."""
     captured: dict[str, tuple[tuple, dict]] = {}
-    param = next(model.parameters(), None)
-    if param is None or param.device.type == "meta" or not hasattr(model, "get_input_embeddings"):
+    if next(model.parameters(), None) is None or not hasattr(model, "get_input_embeddings"):
         return captured
+    embeddings = model.get_input_embeddings()
+    device = embeddings.weight.device
+    if device.type == "meta":
+        # offloaded by accelerate (device_map with cpu/disk offload): its hook loads the weights on the
+        # execution device when called; a model merely built on meta has no hook and is not run
+        device = getattr(getattr(embeddings, "_hf_hook", None), "execution_device", None)
+        if device is None:
+            return captured
     hooks = []
     for name in names:
         def hook(mod, args, kwargs, name=name):
             captured.setdefault(name, (args, dict(kwargs)))
         hooks.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        device = model.get_input_embeddings().weight.device
-        vocab = model.get_input_embeddings().weight.shape[0]
+        vocab = embeddings.weight.shape[0]
         ids = torch.arange(1, 4, device=device).clamp(max=vocab - 1).view(1, 3)
         was_training = model.training
         model.eval()

@@ -44,6 +44,16 @@ SOURCE_ATTR = "_mla_fuser_source"
 # stacked down-projection
 
 
+try:  # tensor parallelism shards parameters as DTensors
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover - torch without distributed
+    _DTensor = None
+
+
+def _is_dtensor(t) -> bool:
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
 class StackedLinear:
     """Both down-projections as one GEMM, sharing storage with the original linears.
 
@@ -52,6 +62,12 @@ class StackedLinear:
     originals' ``.data`` are views into it.  When something replaces the originals' storage (a device or
     dtype move, a checkpoint load that swaps parameters), the aliasing check at the next call notices and
     re-stacks once; in-place loads (``load_state_dict``) write through the views directly.
+
+    Multi-device: the two linears are called as themselves (hooks and all, no stacking) whenever the stacked GEMM
+    would bypass something their own forward does: weights on ``meta`` (accelerate offload: the module's hook
+    loads them per call; stacking them would also keep a copy of offloaded weights alive), weights on another
+    device than the input (a ``device_map`` hook moves it), DTensor weights (a tensor-parallel plan that shards
+    them), or a tensor-parallel style hooked on them while gradients are recorded (its backward collectives).
     """
 
     def __init__(self, first: nn.Linear, second: nn.Linear):
@@ -73,11 +89,22 @@ class StackedLinear:
             and (self.bias is None or (self.first.bias.data_ptr() == self.bias.data_ptr()))
         )
 
+    def _direct(self, x: torch.Tensor) -> bool:
+        """Whether to run the two linears as themselves instead of the stacked GEMM (see the class doc)."""
+        for lin in (self.first, self.second):
+            w = lin.weight
+            if w.device.type == "meta" or w.device != x.device or _is_dtensor(w) or _is_dtensor(lin.bias):
+                return True
+            if getattr(lin, "_is_hooked", False) and torch.is_grad_enabled():
+                return True  # a Transformers tensor-parallel style wraps its forward (backward all-reduces)
+        return False
+
     @torch.no_grad()
     def restack(self) -> None:
         a, b = self.first, self.second
-        if a.weight.device.type == "meta":
-            self.weight = None
+        if a.weight.device.type == "meta" or b.weight.device.type == "meta" or _is_dtensor(a.weight) \
+                or _is_dtensor(b.weight) or a.weight.device != b.weight.device:
+            self.weight = self.bias = None
             return
         weight = torch.cat([a.weight.detach(), b.weight.detach()], dim=0)
         a.weight.data = weight[: self.sizes[0]]
@@ -97,9 +124,13 @@ class StackedLinear:
             self.bias = bias
 
     def __call__(self, x: torch.Tensor):
+        if self._direct(x):
+            if self.weight is not None and not self._aliased():
+                self.weight = self.bias = None  # the originals were replaced (e.g. offloaded): hold no stale copy
+            return self.first(x), self.second(x)
         if not self._aliased():
             self.restack()
-        if self.weight is None:  # meta weights: shapes only
+        if self.weight is None:  # weights that cannot be stacked
             return self.first(x), self.second(x)
         weight = self.weight
         if self.first.weight.requires_grad and torch.is_grad_enabled():
@@ -425,7 +456,13 @@ def rewrite_mla_forward(module: nn.Module, match) -> str:
     if match.q_a_proj is not None:
         stacked = StackedLinear(module.get_submodule(match.q_a_proj), module.get_submodule(match.kv_a_proj))
         object.__setattr__(module, STACKED_ATTR, stacked)
-    module.forward = types.MethodType(fn, module)
+    bound = types.MethodType(fn, module)
+    if getattr(module, "_hf_hook", None) is not None and "_old_forward" in module.__dict__:
+        # an accelerate hook (``device_map`` dispatch, offload) wraps this instance's forward: replace what it
+        # wraps, so the hook keeps running around the fused forward (and ``remove_hook_from_module`` restores it)
+        module._old_forward = bound
+    else:
+        module.forward = bound
     diff = "".join(difflib.unified_diff(
         original.splitlines(True), new_source.splitlines(True),
         fromfile=f"{owner.__qualname__}.forward (transformers)", tofile=f"{owner.__qualname__}.forward (mla-fuser)",

@@ -9,26 +9,35 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..kernels.mla_decode import mla_decode
 
 
-def paged_decode(module, plan, query, view, scaling):
-    """``query`` [B, H, 1, nope+rope] → ``[B, 1, H, v]`` via the decode kernel over the pages."""
-    m = plan.match
-    kv_b = plan.kv_b(module)
-    w = kv_b.weight.view(m.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-    w_uk, w_uv = w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
+def on_device(t: torch.Tensor):
+    """Make ``t``'s CUDA device current for a kernel launch (Triton launches on the *current* device, and a model
+    split over GPUs with ``device_map`` runs layers on other devices than the current one); no-op off CUDA."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m):
+    """``query`` [B, H, 1, nope+rope] → ``[B, 1, H, v]`` via the decode kernel over the pages.
+
+    ``w_uk [H, nope, rank]``, ``w_uv [H, v, rank]``, ``b_v [H, v]`` (or None) are the views of ``kv_b_proj`` for
+    the heads of ``query`` (``vllm_mla.absorbed_weights``): all heads, or this rank's under tensor parallelism.
+    The pages hold the (replicated) latent on the layer's own device."""
     q_nope, q_pe = query[:, :, 0].split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
     # [H, B, nope] x [H, nope, rank] -> [H, B, rank]
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)
     q_abs = torch.cat([q_lat, q_pe], dim=-1).to(view.pages.dtype).contiguous()
-    out_lat = mla_decode(q_abs, view.pages, view.block_table, view.seq_lens, scaling, m.kv_lora_rank)
+    with on_device(q_abs):
+        out_lat = mla_decode(q_abs, view.pages, view.block_table, view.seq_lens, scaling, m.kv_lora_rank)
     # [H, B, rank] x [H, rank, v] -> [H, B, v]
     out = torch.bmm(out_lat.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
-    if kv_b.bias is not None:
-        out = out + kv_b.bias.view(m.num_heads, -1)[:, m.qk_nope_head_dim:]
+    if b_v is not None:
+        out = out + b_v
     return out.unsqueeze(1).to(query.dtype)
 
 

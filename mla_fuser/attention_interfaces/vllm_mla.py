@@ -11,9 +11,19 @@ selection), ``s_aux`` (attention sinks), ``sliding_window``, an ``is_causal`` ke
 attribute) and ``softcap``; masked scores use the dtype minimum so fully padded rows stay finite.  What the
 absorbed kernel cannot do exactly (additive biases other than 0 / -inf, softcapping, training dropout) runs on
 K/V expanded from the latent instead, never approximately.  ``position_bias`` is refused loudly.
+
+Multi-device: the head count is never taken from the match (traced once, possibly on another layout) but from the
+query of each call and the rows of ``kv_b_proj``'s weight this process holds.  Under tensor parallelism
+(``q_b_proj``/``q_proj`` and ``kv_b_proj`` column-wise by head, ``o_proj`` row-wise) that is the local heads: a
+DTensor weight is read through ``to_local()``, the latent is replicated.  Under accelerate's big-model
+``device_map`` with offload, ``kv_b_proj``'s weight lives on ``meta`` until its own hook loads it: the expansion
+calls the module (its hook runs), the absorbed path loads the weight through the hook for the call and offloads it
+again (``kv_b_params``).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +32,62 @@ from ..cache import PAGED_ATTR
 from ..fusers.mla import PLAN_ATTR
 from .paged import gathered_latent, paged_decode
 from ..kernels.mla_attention import masked_softmax, mla_attention
+
+try:  # tensor parallelism shards parameters as DTensors
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover - torch without distributed
+    _DTensor = None
+
+
+def local_tensor(t):
+    """This process's part of ``t``: a DTensor's local shard (tensor parallelism), anything else unchanged."""
+    if _DTensor is not None and isinstance(t, _DTensor):
+        return t.to_local()
+    return t
+
+
+@contextlib.contextmanager
+def loaded(module):
+    """Within the block, ``module``'s own parameters hold data even when accelerate offloads them.
+
+    Under a big-model ``device_map`` with cpu/disk offload, accelerate puts a hook on every module with
+    parameters; the weights stay on ``meta`` until that module is *called*.  Code that reads a weight without
+    calling its module (the absorbed ``W_UK``/``W_UV``) runs the hook's pre-forward here (loads the weights onto
+    the execution device) and its post-forward on exit (offloads them again), exactly as a call would."""
+    hook = getattr(module, "_hf_hook", None)
+    load = hook is not None and any(p.device.type == "meta" for p in module.parameters(recurse=False))
+    if load:
+        hook.pre_forward(module, torch.empty(0))
+    try:
+        yield module
+    finally:
+        if load:
+            hook.post_forward(module, None)
+
+
+@contextlib.contextmanager
+def kv_b_params(linear):
+    """``(weight, bias)`` of ``linear`` as plain tensors this process computes with: loaded if offloaded
+    (``loaded``), and a DTensor (tensor-parallel shard) as its local shard."""
+    with loaded(linear):
+        if linear.weight.device.type == "meta":
+            raise RuntimeError(f"vllm_mla: {type(linear).__name__} weight is on the meta device and no hook loads it")
+        yield local_tensor(linear.weight), local_tensor(linear.bias)
+
+
+def absorbed_weights(weight, bias, m, heads: int):
+    """``W_UK [H, nope, rank]``, ``W_UV [H, v, rank]`` (views of ``kv_b_proj``'s weight) and ``b_v [H, v]`` or None,
+    for the ``heads`` heads this process holds (all of them, or the local ones under tensor parallelism)."""
+    per_head = m.qk_nope_head_dim + m.v_head_dim
+    if weight.ndim != 2 or weight.shape[0] != heads * per_head or weight.shape[1] != m.kv_lora_rank:
+        raise RuntimeError(
+            f"vllm_mla: kv_b_proj weight {tuple(weight.shape)} does not hold {heads} heads x "
+            f"(nope {m.qk_nope_head_dim} + v {m.v_head_dim}) rows of width {m.kv_lora_rank} (the query's heads); "
+            f"a tensor-parallel plan must split q_b_proj/q_proj and kv_b_proj column-wise by whole heads"
+        )
+    w = weight.view(heads, per_head, m.kv_lora_rank)
+    b_v = None if bias is None else bias.view(heads, per_head)[:, m.qk_nope_head_dim:]
+    return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:], b_v
 
 
 def _allowed_mask(attention_mask, batch, heads, q_len, kv_len, device, indices=None, sliding_window=None,
@@ -68,15 +134,21 @@ def _boolean_mask(allowed, bias):
     return keep if allowed is None else allowed & keep
 
 
-def _expand_latent(kv_c, k_pe, kv_b, m):
+def _expand_latent(kv_c, k_pe, kv_b, m, heads: int):
     """Per-head K/V from the latent: ``kv_c`` [B, 1, T, rank], ``k_pe`` [B, 1, T, rope] → key ``[B, H, T, qk]``,
     value ``[B, H, T, v]``, exactly as the module's own expansion (``kv_b_proj`` per head ``[k_nope | v]``, the
-    rotary key shared by all heads)."""
+    rotary key shared by all heads).  ``kv_b_proj`` is *called*, as the module's own expansion does, so whatever
+    wraps it runs: accelerate's offload hooks load its weight, a tensor-parallel plan returns the local heads."""
     batch, _, kv_len, _ = kv_c.shape
-    kv = torch.nn.functional.linear(kv_c[:, 0], kv_b.weight, kv_b.bias)
-    kv = kv.view(batch, kv_len, m.num_heads, m.qk_nope_head_dim + m.v_head_dim).transpose(1, 2)
+    kv = local_tensor(kv_b(kv_c[:, 0]))
+    per_head = m.qk_nope_head_dim + m.v_head_dim
+    if kv.shape[-1] != heads * per_head:
+        raise RuntimeError(
+            f"vllm_mla: kv_b_proj gives {kv.shape[-1]} features, the query has {heads} heads x {per_head}"
+        )
+    kv = kv.view(batch, kv_len, heads, per_head).transpose(1, 2)
     k_nope, value = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
-    key = torch.cat([k_nope, k_pe.to(k_nope.dtype).expand(-1, m.num_heads, -1, -1)], dim=-1)
+    key = torch.cat([k_nope, k_pe.to(device=k_nope.device, dtype=k_nope.dtype).expand(-1, heads, -1, -1)], dim=-1)
     return key, value
 
 
@@ -88,11 +160,16 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     scale = scaling if scaling is not None else qk_dim ** -0.5
+    if qk_dim != m.qk_nope_head_dim + m.qk_rope_head_dim:
+        raise RuntimeError(f"vllm_mla: query shape {tuple(query.shape)} does not fit the matched head layout")
+    s_aux = local_tensor(s_aux)
     view = getattr(kv_c, PAGED_ATTR, None)
     if view is not None:  # the paged latent cache: decode straight from the pages, else read them back
         if (q_len == 1 and attention_mask is None and indices is None and s_aux is None and sliding_window is None
                 and softcap is None and not (dropout and module.training)):
-            return paged_decode(module, plan, query, view, scale)
+            with kv_b_params(plan.kv_b(module)) as (weight, bias):
+                w_uk, w_uv, b_v = absorbed_weights(weight, bias, m, heads)
+                return paged_decode(query, view, scale, w_uk, w_uv, b_v, m)
         kv_c, k_pe = gathered_latent(view, m.kv_lora_rank)
     if kv_c.ndim != 4 or kv_c.shape[1] != 1 or kv_c.shape[-1] != m.kv_lora_rank:
         raise RuntimeError(
@@ -104,8 +181,6 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
             f"vllm_mla: fused module {type(module).__name__} passed a rotary key of shape {tuple(k_pe.shape)}, "
             f"expected [B, 1, T, {m.qk_rope_head_dim}]"
         )
-    if heads != m.num_heads or qk_dim != m.qk_nope_head_dim + m.qk_rope_head_dim:
-        raise RuntimeError(f"vllm_mla: query shape {tuple(query.shape)} does not fit the matched head layout")
     kv_b = plan.kv_b(module)
     kv_len = kv_c.shape[2]
     allowed, bias = _allowed_mask(attention_mask, batch, heads, q_len, kv_len, query.device, indices,
@@ -115,16 +190,13 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
         # prefill is compute-bound: expanding K/V (for the tokens attended to) and running ordinary attention
         # costs fewer FLOPs than attending in the 576-wide absorbed space.  The same exact path serves what the
         # absorbed kernel does not do: additive biases other than 0 / -inf, softcapping, training dropout.
-        key, value = _expand_latent(kv_c, k_pe, kv_b, m)
+        key, value = _expand_latent(kv_c, k_pe, kv_b, m, heads)
         return padded_attention(module, query, key, value, attention_mask, dropout, scale, indices, s_aux,
                                 sliding_window, is_causal, softcap)
-    w = kv_b.weight.view(m.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-    w_uk, w_uv = w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
-    b_v = None
-    if kv_b.bias is not None:
-        b_v = kv_b.bias.view(m.num_heads, -1)[:, m.qk_nope_head_dim:]
     q_nope, q_pe = query.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-    return mla_attention(q_nope, q_pe, kv_c[:, 0], k_pe[:, 0], w_uk, w_uv, scale, folded, b_v, s_aux)
+    with kv_b_params(kv_b) as (weight, bias):
+        w_uk, w_uv, b_v = absorbed_weights(weight, bias, m, heads)
+        return mla_attention(q_nope, q_pe, kv_c[:, 0], k_pe[:, 0], w_uk, w_uv, scale, folded, b_v, s_aux)
 
 
 def padded_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, indices=None,
@@ -132,6 +204,7 @@ def padded_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     """Full attention on expanded K/V: V padded to the q/k head dim, SDPA, output sliced; ``[B, S, H, Dv]``."""
     batch, heads, q_len, qk_dim = query.shape
     kv_heads, kv_len, v_dim = key.shape[1], key.shape[2], value.shape[-1]
+    s_aux = local_tensor(s_aux)
     if kv_heads != heads:
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)

@@ -223,9 +223,15 @@ class MambaFuser(Fuser):
         if missing:
             row.reason = f"the installed transformers' Cache lacks {missing}"
             return row
-        plan = MambaPlan(match, module.forward, _forward_signature(module))
+        hooked = getattr(module, "_hf_hook", None) is not None and "_old_forward" in module.__dict__
+        # under an accelerate hook (device_map dispatch, offload) replace what the hook wraps, so it keeps running
+        plan = MambaPlan(match, module._old_forward if hooked else module.forward, _forward_signature(module))
         setattr(module, PLAN_ATTR, plan)
-        module.forward = types.MethodType(_fused_forward, module)
+        fused = types.MethodType(_fused_forward, module)
+        if hooked:
+            module._old_forward = fused
+        else:
+            module.forward = fused
         row.status, row.reason = "fused", match.describe()
         return row
 
@@ -683,7 +689,14 @@ def _fused_forward(self: nn.Module, *args, **kwargs):
     ):
         return plan.original(*args, **kwargs)
     mask = arguments.get(plan.match.mask_arg) if plan.match.mask_arg else None
-    return mixer_forward(self, plan.match, KERNELS, arguments[first], cache, mask)
+    from ..attention_interfaces.vllm_mla import loaded
+
+    with contextlib.ExitStack() as stack:
+        # weights read without calling their module (conv1d, dt_proj): loaded by their offload hooks, if any
+        for name in (plan.match.conv1d, getattr(plan.match, "dt_proj", None)):
+            if name:
+                stack.enter_context(loaded(self.get_submodule(name)))
+        return mixer_forward(self, plan.match, KERNELS, arguments[first], cache, mask)
 
 
 def mixer_forward(module: nn.Module, m: MambaMatch, ops: _Ops, hidden_states, cache=None, mask=None):

@@ -167,9 +167,12 @@ def _match_traced(traced: g.TracedModule) -> MLAMatch:
     kv_b_mod = sub(kv_b)
     if kv_b_mod.in_features != rank:
         raise NoMatch(f"KV up-projection takes {kv_b_mod.in_features} features, the latent has {rank}")
-    if kv_b_mod.out_features != num_heads * (nope + v_head_dim) or nope < 0:
+    # the rows this process holds: all of them, or (tensor parallelism, a DTensor sharded by head) the local heads,
+    # which is also what the query shows at the attention call
+    kv_b_rows = _local_rows(kv_b_mod)
+    if kv_b_rows != num_heads * (nope + v_head_dim) or nope < 0:
         raise NoMatch(
-            f"KV up-projection width {kv_b_mod.out_features} != heads {num_heads} x (nope {nope} + v {v_head_dim})"
+            f"KV up-projection width {kv_b_rows} != heads {num_heads} x (nope {nope} + v {v_head_dim})"
         )
     if int(value.shape[1]) != num_heads:
         raise NoMatch("value heads differ from query heads")
@@ -189,6 +192,13 @@ def _match_traced(traced: g.TracedModule) -> MLAMatch:
         kv_lora_rank=rank,
         q_lora_rank=sub(q_a).out_features if q_a is not None else None,
     )
+
+
+def _local_rows(linear: nn.Module) -> int:
+    """Output rows of ``linear``'s weight this process holds: a DTensor's local shard under tensor parallelism
+    (sharded by whole heads), else ``out_features``."""
+    to_local = getattr(linear.weight, "to_local", None)
+    return int(to_local().shape[0]) if callable(to_local) else int(linear.out_features)
 
 
 def apply_mla(module: nn.Module, match: MLAMatch, qualname: str) -> FusionRow:
