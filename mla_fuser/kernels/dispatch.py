@@ -88,4 +88,21 @@ class LazyJit:
         return kernel
 
     def __getitem__(self, grid):
-        return self.get()[grid]
+        return on_tensor_device(self.get()[grid])
+
+
+def on_tensor_device(launcher):
+    """Wrap a Triton launcher so it runs with its first CUDA tensor argument's device current.
+
+    Triton launches on the *current* device; a model split over GPUs (``device_map``) runs layers whose
+    tensors live elsewhere.  Costs one device query per launch; nothing changes off CUDA.
+    """
+
+    def launch(*args, **kwargs):
+        device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+        if device is None or device.index == torch.cuda.current_device():
+            return launcher(*args, **kwargs)
+        with torch.cuda.device(device):
+            return launcher(*args, **kwargs)
+
+    return launch

@@ -69,7 +69,7 @@ from typing import Optional
 
 import torch
 
-from .dispatch import LazyJit, triton_available, triton_interpreting, use_triton
+from .dispatch import LazyJit, on_tensor_device, triton_available, triton_interpreting, use_triton
 
 if triton_available():
     import triton
@@ -792,7 +792,7 @@ def _launch_gemm(
         num_m_blocks = expert_ids.numel()
         grid = (num_m_blocks * triton_cdiv(n_out, block_n),)
     kernel = _moe_gemm_kernel.get()
-    launch = functools.partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
+    launch = functools.partial(kernel.warmup, grid=grid) if warmup else on_tensor_device(kernel[grid])
     launch(
         a,
         w,
@@ -840,7 +840,7 @@ def _launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk
     num_tokens, hidden_size = out.shape
     grid = (num_tokens, triton_cdiv(hidden_size, cfg["BLOCK_N"]))
     kernel = _moe_down_gemv_kernel.get()
-    launch = functools.partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
+    launch = functools.partial(kernel.warmup, grid=grid) if warmup else on_tensor_device(kernel[grid])
     has_bias = down_bias is not None
     launch(
         inter_buf, down_w, down_bias if has_bias else out, out, flat_ids, routing,
