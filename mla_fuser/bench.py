@@ -26,18 +26,39 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _decode_run(model, ids, steps):
-    from transformers import DynamicCache
+def _compiled_forward(model, mode: str, backend: str):
+    """``model.forward`` under torch.compile, built once per model (reused by warm-up and timed runs)."""
+    cached = getattr(model, "_mla_fuser_bench_compiled", None)
+    if cached is None:
+        kwargs = {"backend": backend} if backend != "inductor" else {"mode": mode}
+        cached = torch.compile(model.forward, **kwargs)
+        object.__setattr__(model, "_mla_fuser_bench_compiled", cached)
+    return cached
+
+
+def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor"):
+    """Prefill ``ids`` then ``steps`` greedy decode steps.  With ``compile_mode`` the decode step runs under
+    torch.compile over a static cache (paged for fused models, Transformers' StaticCache for native ones) with
+    explicit position ids, the setting in which a decode step can be captured in a CUDA graph."""
+    from transformers import DynamicCache, StaticCache
 
     from .cache import PagedLatentCache, paged_layer_indices
 
     key = _cache_kwarg(model)
     device = ids.device
+    batch, context = ids.shape
+    max_len = context + steps + 16
     if paged_layer_indices(model):  # what generate() of a fused model uses
-        batch, context = ids.shape
-        cache = PagedLatentCache(model, max_cache_tokens=batch * (context + steps + 128))
+        if compile_mode:
+            cache = PagedLatentCache(model, static=True, max_seq_len=max_len,
+                                     max_cache_tokens=batch * (max_len + 64))
+        else:
+            cache = PagedLatentCache(model, max_cache_tokens=batch * (context + steps + 128))
+    elif compile_mode:
+        cache = StaticCache(config=model.config, max_cache_len=max_len)
     else:
         cache = DynamicCache(config=model.config)
+    step_fn = _compiled_forward(model, compile_mode, compile_backend) if compile_mode else model.forward
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -53,8 +74,9 @@ def _decode_run(model, ids, steps):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        for _ in range(steps):
-            out = model(input_ids=token, use_cache=True, **{key: cache})
+        for i in range(steps):
+            position = torch.full((batch, 1), context + i, device=device, dtype=torch.long)
+            out = step_fn(input_ids=token, position_ids=position, use_cache=True, **{key: cache})
             token = out.logits[:, -1:].argmax(-1)
             tokens.append(token)
         _sync(device)
@@ -79,6 +101,7 @@ def run_model_bench(args) -> dict:
         "model": name, "dtype": args.dtype, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
         else platform.processor() or "cpu", "torch": torch.__version__, "steps": args.steps,
         "fused_modules": len(fused.fusion_report.fused()), "runs": [],
+        "compile_mode": args.compile_mode, "compile_backend": args.compile_backend,
     }
     import transformers
 
@@ -88,13 +111,14 @@ def run_model_bench(args) -> dict:
         ids = torch.randint(3, vocab, (batch, context), generator=gen).to(device)
         row = {"batch": batch, "context": context}
         # warm-up on the same shapes, so one-time costs (Triton compiles per kernel variant) are not timed
-        _decode_run(fused, ids, 2)
-        prefill, step, tokens, peak = _decode_run(fused, ids, args.steps)
+        compiled = dict(compile_mode=args.compile_mode, compile_backend=args.compile_backend)
+        _decode_run(fused, ids, 2, **compiled)
+        prefill, step, tokens, peak = _decode_run(fused, ids, args.steps, **compiled)
         row["fused"] = {"prefill_s": prefill, "ms_per_step": step * 1e3, "tok_per_s": batch / step,
                         "prefill_peak_over_weights_bytes": peak[0], "decode_peak_over_weights_bytes": peak[1]}
         if native is not None:
-            _decode_run(native, ids, 2)
-            n_prefill, n_step, n_tokens, n_peak = _decode_run(native, ids, args.steps)
+            _decode_run(native, ids, 2, **compiled)
+            n_prefill, n_step, n_tokens, n_peak = _decode_run(native, ids, args.steps, **compiled)
             row["native"] = {"prefill_s": n_prefill, "ms_per_step": n_step * 1e3, "tok_per_s": batch / n_step,
                              "prefill_peak_over_weights_bytes": n_peak[0], "decode_peak_over_weights_bytes": n_peak[1]}
             row["greedy_tokens_equal"] = bool(torch.equal(tokens, n_tokens))

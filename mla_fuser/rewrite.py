@@ -124,6 +124,12 @@ class StackedLinear:
             self.bias = bias
 
     def __call__(self, x: torch.Tensor):
+        if torch.compiler.is_compiling():
+            # traced by torch.compile: storage checks cannot be traced, and weights do not change between
+            # the steps of one compiled graph; use the stack built (and checked) by eager calls, if any
+            if self.weight is None or self.weight.device != x.device:
+                return self.first(x), self.second(x)
+            return tuple(nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
         if self._direct(x):
             if self.weight is not None and not self._aliased():
                 self.weight = self.bias = None  # the originals were replaced (e.g. offloaded): hold no stale copy

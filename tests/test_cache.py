@@ -190,3 +190,32 @@ def test_paged_generation_through_the_triton_kernels(monkeypatch):
     ref = native.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     assert torch.equal(out, ref)
     assert calls, "the Triton decode kernel did not run"
+
+
+def test_decode_step_compiles_fullgraph_over_static_paged_cache():
+    """A fused decode step traces into one torch.compile graph (no graph break) over a static paged cache,
+    gives the eager outputs, and does not recompile every step: the precondition for capturing decode in a
+    CUDA graph (``mode="reduce-overhead"``) on GPUs."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    _, fused = _pair(layers=2)
+
+    def run(compiled):
+        cache = PagedLatentCache(fused, static=True, max_seq_len=64, max_cache_tokens=256, page_size=16)
+        ids, _ = _prompts([7, 7], seed=13)
+        outs = []
+        with torch.no_grad():
+            tok = fused(input_ids=ids, **{KW: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+            step = torch.compile(fused.forward, backend="eager", fullgraph=True) if compiled else fused.forward
+            for i in range(6):
+                out = step(input_ids=tok, position_ids=torch.full((2, 1), 7 + i), **{KW: cache}, use_cache=True)
+                outs.append(out.logits)
+                tok = out.logits[:, -1:].argmax(-1)
+        return torch.cat(outs, 1)
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = run(False), run(True)
+    assert torch.equal(eager, compiled)
+    assert counters["stats"]["unique_graphs"] <= 2

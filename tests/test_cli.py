@@ -31,3 +31,14 @@ def test_bench_json(tmp_path):
     assert [(r["batch"], r["context"]) for r in data["runs"]] == [(1, 16), (2, 8)]
     assert all(r["greedy_tokens_equal"] for r in data["runs"])
     assert data["runs"][0]["fused"]["ms_per_step"] > 0
+
+
+def test_bench_compiled_decode_static_paged_cache(tmp_path):
+    """``--compile-mode``: decode steps under torch.compile over a static paged cache (here the ``eager``
+    backend: tracing only, the CPU stand-in for the CUDA-graph path)."""
+    path = tmp_path / "bench.json"
+    args = ["bench", "--shapes", "1x8", "--steps", "3", "--compile-mode", "default", "--compile-backend", "eager",
+            "--out", str(path)]
+    assert main(args) == 0
+    data = json.loads(path.read_text())
+    assert data["compile_mode"] == "default" and data["runs"][0]["greedy_tokens_equal"]
