@@ -61,10 +61,19 @@ def _block_fusers() -> list:
     return found
 
 
-def _capture_inputs(model: nn.Module, names: list[str]) -> dict[str, tuple[tuple, dict]]:
+class _Capture(dict):
+    """Candidate name -> ``(args, kwargs)`` of its first call; ``complete`` when the forward ran to the end,
+    ``error`` the reason when it did not run (or failed part way)."""
+
+    complete = False
+    error: str | None = None
+
+
+def _capture_inputs(model: nn.Module, names: list[str]) -> "_Capture":
     """Run one tiny forward (3 tokens, no cache) and record each candidate's first call arguments."""
-    captured: dict[str, tuple[tuple, dict]] = {}
+    captured = _Capture()
     if next(model.parameters(), None) is None or not hasattr(model, "get_input_embeddings"):
+        captured.error = "the model has no parameters or no input embeddings"
         return captured
     embeddings = model.get_input_embeddings()
     device = embeddings.weight.device
@@ -73,26 +82,33 @@ def _capture_inputs(model: nn.Module, names: list[str]) -> dict[str, tuple[tuple
         # execution device when called; a model merely built on meta has no hook and is not run
         device = getattr(getattr(embeddings, "_hf_hook", None), "execution_device", None)
         if device is None:
+            captured.error = "the model is on the meta device"
             return captured
     hooks = []
     for name in names:
         def hook(mod, args, kwargs, name=name):
             captured.setdefault(name, (args, dict(kwargs)))
         hooks.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
+    was_training = model.training
     try:
         vocab = embeddings.weight.shape[0]
         ids = torch.arange(1, 4, device=device).clamp(max=vocab - 1).view(1, 3)
-        was_training = model.training
         model.eval()
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
-        model.train(was_training)
-    except Exception:  # capture is best effort: matching falls back to annotation-driven traces
-        pass
+        captured.complete = True
+    except Exception as exc:  # best effort: modules not reached are traced from their annotations instead
+        captured.error = f"{type(exc).__name__}: {exc}"[:300]
     finally:
+        model.train(was_training)
         for h in hooks:
             h.remove()
     return captured
+
+
+def _not_called_row(name: str, module: nn.Module, fuser: str) -> FusionRow:
+    return FusionRow(name, type(module).__name__, fuser, "fallback",
+                     "not called by the model's forward: no real inputs to trace with")
 
 
 def _switch_attention(model: nn.Module, report: FusionReport) -> bool:
@@ -139,15 +155,19 @@ def fuse(model: nn.Module) -> FusionReport:
     # a module another family claims (a Mamba mixer has linears and a norm too) is not an MLA candidate
     names = [n for n, m in model.named_modules() if n and n not in claimed and _mla_candidate(m)]
     wanted = sorted(set(names).union(*block_names.values()))
-    captured = _capture_inputs(model, wanted) if wanted else {}
+    captured = _capture_inputs(model, wanted) if wanted else _Capture()
+    if wanted and not captured.complete:
+        report.notes.append(f"input capture forward did not complete ({captured.error}); modules it did not reach "
+                            "are traced from their signatures")
     for name in names:
         module = model.get_submodule(name)
         if getattr(module, PLAN_ATTR, None) is not None:
             report.rows.append(FusionRow(name, type(module).__name__, "mla", "fused", "already fused"))
             continue
         example = captured.get(name)
-        if names and captured and example is None:
-            # not called in a forward of the model (e.g. a draft head): no inputs to trace with
+        if example is None and captured.complete:
+            # not called in a forward of the model (e.g. a draft head, a KV-sharing consumer): nothing to match
+            report.rows.append(_not_called_row(name, module, "mla"))
             continue
         match, reason = MLAFuser.explain(module, example)
         if match is None:
@@ -164,7 +184,8 @@ def fuse(model: nn.Module) -> FusionReport:
         for name in fuser_names:
             module = model.get_submodule(name)
             example = captured.get(name)
-            if captured and example is None:
+            if example is None and captured.complete:
+                report.rows.append(_not_called_row(name, module, fuser.name))
                 continue
             match, reason = fuser.explain(module, example)
             if match is None:

@@ -216,6 +216,9 @@ def test_decode_step_compiles_fullgraph_over_static_paged_cache():
 
     torch._dynamo.reset()
     counters.clear()
-    eager, compiled = run(False), run(True)
+    try:
+        eager, compiled = run(False), run(True)
+    finally:
+        torch._dynamo.reset()
     assert torch.equal(eager, compiled)
     assert counters["stats"]["unique_graphs"] <= 2

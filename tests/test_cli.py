@@ -36,9 +36,15 @@ def test_bench_json(tmp_path):
 def test_bench_compiled_decode_static_paged_cache(tmp_path):
     """``--compile-mode``: decode steps under torch.compile over a static paged cache (here the ``eager``
     backend: tracing only, the CPU stand-in for the CUDA-graph path)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()  # compiled frames of other tests' models must not be reused here
     path = tmp_path / "bench.json"
     args = ["bench", "--shapes", "1x8", "--steps", "3", "--compile-mode", "default", "--compile-backend", "eager",
             "--out", str(path)]
-    assert main(args) == 0
+    try:
+        assert main(args) == 0
+    finally:
+        torch._dynamo.reset()
     data = json.loads(path.read_text())
     assert data["compile_mode"] == "default" and data["runs"][0]["greedy_tokens_equal"]

@@ -47,7 +47,6 @@ from __future__ import annotations
 import inspect
 import operator
 import types
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -1256,15 +1255,17 @@ class _ExpertsConfigView:
         return f"_ExpertsConfigView({IMPL_NAME!r} over {self._fused_over!r} of {type(self._base).__name__})"
 
 
-_ACTIVATIONS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_ACTIVATION_ATTR = "_mla_fuser_activation"
 
 
 def _experts_activation(experts: nn.Module) -> str | None:
+    """The experts' activation by what it computes, remembered on the module itself (a plain attribute, which
+    torch.compile traces without guarding on a global cache)."""
     act = getattr(experts, "act_fn", None)
-    cached = _ACTIVATIONS.get(experts)
+    cached = experts.__dict__.get(_ACTIVATION_ATTR)
     if cached is None or cached[0] is not act:
         cached = (act, activation_name(act) if act is not None else None)
-        _ACTIVATIONS[experts] = cached
+        object.__setattr__(experts, _ACTIVATION_ATTR, cached)
     return cached[1]
 
 
