@@ -69,8 +69,9 @@ def test_left_padded_batch_equals_native(arch, page_size):
     assert cache.get_seq_length() == ids.shape[1] + 16 - 1
 
 
-def test_beam_search_equals_native():
-    native, fused = _pair()
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_beam_search_equals_native(arch):
+    native, fused = _pair(arch)
     ids, mask = _prompts([5, 8], seed=2)
     kw = dict(attention_mask=mask, max_new_tokens=10, num_beams=2, do_sample=False)
     assert torch.equal(fused.generate(ids, **kw), native.generate(ids, **kw))
@@ -86,8 +87,9 @@ def test_sampling_equals_native():
     assert torch.equal(out, ref)
 
 
-def test_static_paged_cache_equals_native_and_keeps_addresses():
-    native, fused = _pair()
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_static_paged_cache_equals_native_and_keeps_addresses(arch):
+    native, fused = _pair(arch)
     ids, mask = _prompts([4, 6], seed=4)
     cache = PagedLatentCache(fused, page_size=8, static=True, max_seq_len=32, max_cache_tokens=128)
     out = fused.generate(ids, attention_mask=mask, **{KW: cache}, max_new_tokens=12, do_sample=False)
