@@ -174,9 +174,12 @@ class MetaProxy(fx.Proxy):
 class MetaTracer(fx.Tracer):
     """fx tracer with every child module a leaf and meta-tensor shapes on every node."""
 
-    def __init__(self, root: nn.Module):
+    def __init__(self, root: nn.Module, opaque_functions=()):
         super().__init__()
         self.root_module = root
+        # functions recorded as single call nodes (not traced into) wherever the forward calls them by a
+        # global name, e.g. a modeling file's kernel entry points
+        self._autowrap_function_ids.update(id(f) for f in opaque_functions)
         self.placeholder_meta: dict[str, object] = {}
         # real example values of the placeholders (when the trace has real example inputs): every node whose
         # inputs all have real values is also run for real, and its meta value is taken from that result
@@ -382,7 +385,7 @@ def _annotation_mentions(annotation, names: tuple[str, ...]) -> bool:
     return any(n in text for n in names)
 
 
-def _is_cache_annotation(annotation) -> bool:
+def is_cache_annotation(annotation) -> bool:
     if annotation is inspect.Parameter.empty:
         return False
     try:
@@ -396,7 +399,7 @@ def _is_cache_annotation(annotation) -> bool:
     return _annotation_mentions(annotation, ("Cache",))
 
 
-def _is_tensor_annotation(annotation) -> bool:
+def is_tensor_annotation(annotation) -> bool:
     if annotation is inspect.Parameter.empty:
         return False
     return _annotation_mentions(annotation, ("Tensor",))
@@ -524,23 +527,25 @@ def trace_module(module: nn.Module, hidden_size: int | None = None, seq_len: int
                     tracer.placeholder_real[p.name] = _detached_clone(value)
             else:
                 concrete_args[p.name] = value
-        return _finish_trace(module, tracer, concrete_args, params[0].name, hidden_size)
+        return run_trace(module, tracer, concrete_args, params[0].name, hidden_size)
     if hidden_size is None:
         raise TraceError("hidden size unknown and no example inputs")
     tracer.placeholder_meta[params[0].name] = torch.empty(1, seq_len, hidden_size, device="meta", dtype=dtype)
     for p in params[1:]:
-        if _is_cache_annotation(p.annotation):
+        if is_cache_annotation(p.annotation):
             concrete_args[p.name] = None
-        elif _is_tensor_annotation(p.annotation):
+        elif is_tensor_annotation(p.annotation):
             tracer.placeholder_meta[p.name] = _wildcard()
         elif p.default is not inspect.Parameter.empty:
             concrete_args[p.name] = p.default
         else:
             tracer.placeholder_meta[p.name] = _wildcard()
-    return _finish_trace(module, tracer, concrete_args, params[0].name, hidden_size)
+    return run_trace(module, tracer, concrete_args, params[0].name, hidden_size)
 
 
-def _finish_trace(module, tracer, concrete_args, hidden_name, hidden_size) -> TracedModule:
+def run_trace(module, tracer, concrete_args, hidden_name, hidden_size) -> TracedModule:
+    """Trace ``module`` with a prepared ``tracer`` (placeholder values set) and wrap the graph; the module is
+    left exactly as it was (attention implementation restored, fx constants removed)."""
     attrs_before = set(module.__dict__)
     try:
         with _attention_traced_opaquely(module), warnings.catch_warnings():

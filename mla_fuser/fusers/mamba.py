@@ -181,10 +181,10 @@ class MambaFuser(Fuser):
             raise NoMatch("no depthwise Conv1d child with linear projections and parameters of its own")
         signature = _forward_signature(module)
         params = [p for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        cache_args = [p.name for p in params[1:] if g._is_cache_annotation(p.annotation)]
+        cache_args = [p.name for p in params[1:] if g.is_cache_annotation(p.annotation)]
         if len(cache_args) != 1:
             raise NoMatch(f"expected one Cache argument in the forward, found {len(cache_args)}")
-        tensor_args = [p.name for p in params[1:] if p.name not in cache_args and g._is_tensor_annotation(p.annotation)]
+        tensor_args = [p.name for p in params[1:] if p.name not in cache_args and g.is_tensor_annotation(p.annotation)]
         if len(tensor_args) > 1:
             raise NoMatch(f"more than one tensor argument besides the hidden states: {tensor_args}")
         mask_arg = tensor_args[0] if tensor_args else None
@@ -265,20 +265,6 @@ def _kernel_entries(module: nn.Module) -> list[Callable]:
     ]
 
 
-class _MixerTracer(g.MetaTracer):
-    """``MetaTracer`` with the kernel entry points opaque and on-the-fly helper modules traced through."""
-
-    def __init__(self, root: nn.Module, opaque: list[Callable]):
-        super().__init__(root)
-        self._autowrap_function_ids.update(id(f) for f in opaque)
-        self._owned = {id(m) for m in root.modules()}
-
-    def call_module(self, m, forward, args, kwargs):
-        if not self._computing_meta and id(m) not in self._owned:
-            return forward(*args, **kwargs)  # e.g. ACT2FN["silu"]: a fresh module, stateless
-        return super().call_module(m, forward, args, kwargs)
-
-
 @contextlib.contextmanager
 def _inference_mode_flag(module: nn.Module):
     """The mixer's own ``training`` flag off while it is traced / probed: the fused forward replaces the inference
@@ -309,7 +295,7 @@ def _hidden_size_candidates(module, example_inputs) -> list[int]:
 def _trace(module, params, width, mask_arg) -> g.TracedModule:
     """Trace on a real ``[2, L, width]`` input (every op also runs for real) with an all-ones mask."""
     weight = _projection_weight(module)
-    tracer = _MixerTracer(module, _kernel_entries(module))
+    tracer = g.MetaTracer(module, opaque_functions=_kernel_entries(module))
     gen = torch.Generator(device=weight.device if weight.device.type != "meta" else "cpu").manual_seed(0)
     hidden = torch.randn(2, _PROBE_LEN, width, generator=gen, device=gen.device).to(weight.device, weight.dtype)
     tracer.placeholder_meta[params[0].name] = g.to_meta(hidden)
@@ -326,7 +312,7 @@ def _trace(module, params, width, mask_arg) -> g.TracedModule:
             concrete[p.name] = p.default
         else:
             raise g.TraceError(f"no value for forward argument {p.name!r}")
-    return g._finish_trace(module, tracer, concrete, params[0].name, width)
+    return g.run_trace(module, tracer, concrete, params[0].name, width)
 
 
 # ---------------------------------------------------------------------------------------------------------
