@@ -20,6 +20,7 @@ step() { local limit=$1; shift; echo "== $*"; timeout "$limit" "$@" 2>&1 | grep 
 step 90  env MLA_FUSER_GPU_RESULTS="$out/gpu_tests.json" python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider
 step 60  python3 benchmarks/bench_mla_decode_kernel.py --out "$out/mla_decode_kernel.json"
 step 90  python3 benchmarks/bench_fused_moe.py --cuda-graph --hf-impls grouped_mm --out "$out/fused_moe.json"
+step 60  python3 benchmarks/bench_moe_layer.py --native-impls grouped_mm,batched_mm --out "$out/moe_layer.json"
 step 60  python3 benchmarks/bench_ssm_kernels.py --out "$out/ssm_kernels.json"
 step 120 python3 -m mla_fuser.cli bench --preset deepseek-v2-lite --device cuda --dtype bf16 \
            --shapes 1x512,16x4096,1x32768 --steps 16 --out "$out/model_bench.json"
