@@ -141,3 +141,18 @@ def test_registration():
 
     assert AttentionInterface._global_mapping["vllm_mla"] is vllm_mla_attention
     assert "vllm_mla" in AttentionMaskInterface._global_mapping
+
+
+def test_few_tokens_over_long_prefix_stay_absorbed_and_exact(monkeypatch):
+    import mla_fuser.attention_interfaces.vllm_mla as vm
+
+    mod = FakeAttn()
+    q, kv_c, k_pe = _inputs(s=3, t=20, mod=mod)
+    mask = _left_padded_mask(2, 3, 20, [0, 4])
+    calls = []
+    monkeypatch.setattr(vm, "mla_attention", lambda *a, **k: calls.append(1) or mla_attention_ref(*a, **k))
+    out, _ = vllm_mla_attention(mod, q, kv_c, k_pe, mask, scaling=0.3)
+    key, value = mod.expand(kv_c, k_pe)
+    ref = padded_attention(mod, q, key, value, mask, scaling=0.3)
+    assert calls and torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+    assert vm._prefer_expanded(64, 64) and not vm._prefer_expanded(1, 4096) and not vm._prefer_expanded(4, 4096)

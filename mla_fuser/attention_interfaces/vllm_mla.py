@@ -152,6 +152,19 @@ def _expand_latent(kv_c, k_pe, kv_b, m, heads: int):
     return key, value
 
 
+# a few new tokens over a long cached prefix (assisted / speculative decoding, small chunks) stay absorbed:
+# expanding the prefix costs O(T x heads x (nope + v)) per step, the absorbed path reads the latent once
+ABSORBED_MAX_QUERY = 16
+ABSORBED_MIN_PREFIX_RATIO = 4
+
+
+def _prefer_expanded(q_len: int, kv_len: int) -> bool:
+    """Expanded K/V + SDPA for prefill-like calls, absorbed attention for decode-like ones."""
+    if q_len == 1:
+        return False
+    return q_len > ABSORBED_MAX_QUERY or kv_len < ABSORBED_MIN_PREFIX_RATIO * q_len
+
+
 def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indices=None, s_aux=None,
                         sliding_window=None, is_causal=None, dropout=0.0, softcap=None):
     plan = getattr(module, PLAN_ATTR)
@@ -186,7 +199,8 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
     allowed, bias = _allowed_mask(attention_mask, batch, heads, q_len, kv_len, query.device, indices,
                                   sliding_window, is_causal)
     folded = _boolean_mask(allowed, bias)
-    if q_len > 1 or (bias is not None and folded is None) or softcap is not None or (dropout and module.training):
+    if (_prefer_expanded(q_len, kv_c.shape[2]) or (bias is not None and folded is None) or softcap is not None
+            or (dropout and module.training)):
         # prefill is compute-bound: expanding K/V (for the tokens attended to) and running ordinary attention
         # costs fewer FLOPs than attending in the 576-wide absorbed space.  The same exact path serves what the
         # absorbed kernel does not do: additive biases other than 0 / -inf, softcapping, training dropout.
