@@ -103,7 +103,7 @@ class Fuser:
     @classmethod
     def explain(cls, module: nn.Module, example_inputs=None):
         """``(match, reason)``: the match or None, and why not when None."""
-        key = (cls, shape_key(module, example_inputs))
+        key = (cls, cls.cache_key(module, example_inputs))
         cache = Fuser._cache
         if key not in cache:
             try:
@@ -113,6 +113,12 @@ class Fuser:
             except TraceError as exc:
                 cache[key] = (None, f"trace failed: {exc}")
         return cache[key]
+
+    @classmethod
+    def cache_key(cls, module: nn.Module, example_inputs=None) -> tuple:
+        """What decides a match: class and parameter shapes (and input layout); families whose structure also
+        depends on plain attributes extend it."""
+        return shape_key(module, example_inputs)
 
     @classmethod
     def _match(cls, module: nn.Module, example_inputs=None):  # pragma: no cover - abstract

@@ -944,19 +944,10 @@ class MoEFuser(Fuser):
         )
 
     @classmethod
-    def explain(cls, module: nn.Module, example_inputs=None):
-        """Like ``Fuser.explain``, with ``fingerprint(module)`` added to the cache key: the router's settings are
-        plain attributes and the recorded casts depend on the dtypes, so class and shapes are not enough."""
-        key = (cls, shape_key(module, example_inputs), fingerprint(module))
-        cache = Fuser._cache
-        if key not in cache:
-            try:
-                cache[key] = (cls._match(module, example_inputs), "")
-            except NoMatch as exc:
-                cache[key] = (None, str(exc))
-            except g.TraceError as exc:
-                cache[key] = (None, f"trace failed: {exc}")
-        return cache[key]
+    def cache_key(cls, module: nn.Module, example_inputs=None) -> tuple:
+        """``fingerprint(module)`` added to the base key: the router's settings are plain attributes and the
+        recorded casts depend on the dtypes, so class and shapes are not enough."""
+        return (shape_key(module, example_inputs), fingerprint(module))
 
     @classmethod
     def _match(cls, module: nn.Module, example_inputs=None) -> MoEMatch:
