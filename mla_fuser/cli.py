@@ -6,7 +6,6 @@ Every command works on the embedded default preset (no download) or on a local c
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import time

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .dispatch import LazyJit, triton_available, triton_interpreting, use_triton
+from .dispatch import LazyJit, triton_interpreting, use_triton
 
 try:  # Triton is optional: without it every op runs its torch reference.
     import triton

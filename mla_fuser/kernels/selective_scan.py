@@ -420,7 +420,6 @@ def _update_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
         block_p = 16
     else:
         block_p = max(1, min(_next_pow2(hdim), 4096 // block_n, 64))
-    dummy = x4
     z_t = z4 if z4 is not None else x4
     D_t = D4 if D4 is not None else s4[0, :, :, 0]
     b_t = bias4 if bias4 is not None else s4[0, :, :, 0]
