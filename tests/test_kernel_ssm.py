@@ -39,6 +39,7 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from mla_fuser.kernels import causal_conv1d as conv_mod  # noqa: E402
+from mla_fuser.kernels.dispatch import triton_available  # noqa: E402
 from mla_fuser.kernels import selective_scan as scan_mod  # noqa: E402
 from mla_fuser.kernels.causal_conv1d import (  # noqa: E402
     causal_conv1d,
@@ -67,7 +68,7 @@ from transformers.models.mamba2 import modeling_mamba2 as hf_mamba2  # noqa: E40
 DEV = "cuda" if CUDA else "cpu"
 
 
-needs_triton = pytest.mark.skipif(not conv_mod.triton_available(), reason="triton is not installed")
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 
 @pytest.fixture(autouse=True)
