@@ -727,12 +727,9 @@ class _Interpreter:
         src, index = self.sym(node.args[0]), node.args[1]
         if src.kind == "topk" and index in (0, 1):
             return self._topk_part(src, index)
-        if src.kind == "gtopk" and index == 0:
-            return _Sym("gtopvals", group=src.info["group"])
-        if src.kind == "gsel" and index == 1:
-            return _Sym("gidx", group=src.info["group"])
-        if src.kind == "gmax" and index == 0:
-            return _Sym("gscore", group={**src.info["group"], "scoring": "max", "topn": None})
+        group_part = self._group_part(src, index)
+        if group_part is not None:
+            return group_part
         if src.kind == "where":
             return _Sym("aux")
         idx_nodes = [a for a in (index if isinstance(index, (tuple, list)) else (index,)) if isinstance(a, fx.Node)]
@@ -753,13 +750,18 @@ class _Interpreter:
             return _Unaccounted(f"attribute {attr!r} of {src.kind}")
         if src.kind == "topk":
             return self._topk_part(src, index)
+        return self._group_part(src, index) or _Unaccounted(f"attribute {attr!r} of {src.kind}")
+
+    @staticmethod
+    def _group_part(src: _Sym, index) -> _Sym | None:
+        """Element ``index`` (0 values, 1 indices) of a group-limited selection step, or None."""
         if src.kind == "gtopk" and index == 0:
             return _Sym("gtopvals", group=src.info["group"])
         if src.kind == "gsel" and index == 1:
             return _Sym("gidx", group=src.info["group"])
         if src.kind == "gmax" and index == 0:
             return _Sym("gscore", group={**src.info["group"], "scoring": "max", "topn": None})
-        return _Unaccounted(f"attribute {attr!r} of {src.kind}")
+        return None
 
     def _topk_part(self, src: _Sym, index: int) -> _Sym:
         router = src.info["router"]
