@@ -185,6 +185,8 @@ class PagedLatentLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         batch, _, new, _ = key_states.shape
         self._ensure_batch(batch)
+        if any(n != self.host_lens[0] for n in self.host_lens):
+            raise RuntimeError("paged latent cache: sequences of one batch must advance together")
         target = [n + new for n in self.host_lens]
         self._reserve(target)
         page = self.pool.page_size
@@ -200,10 +202,7 @@ class PagedLatentLayer(CacheLayerMixin):
                         value_states[:, 0].reshape(-1, value_states.shape[-1]).to(dtype))
         self.seq_lens += new
         self.host_lens = target
-        total = target[0] if target else 0
-        if any(n != total for n in target):
-            raise RuntimeError("paged latent cache: sequences of one batch must advance together")
-        return self._stand_ins(key_states, value_states, total)
+        return self._stand_ins(key_states, value_states, target[0] if target else 0)
 
     def _stand_ins(self, key_states, value_states, total):
         # stride-0 views of one NaN row: no memory, the right shape for code that asks for sizes, and loud
@@ -271,12 +270,7 @@ class PagedLatentLayer(CacheLayerMixin):
         self.host_lens = [0] * len(source)
         for t in old:
             self.pool.release(t)
-        try:
-            self._reserve(lens)
-        except CachePoolExhausted:
-            raise
-        self.block_table = None
-        self._sync_tables()
+        self._reserve(lens)  # also rebuilds the block table for the new batch
         page = self.pool.page_size
         positions = torch.arange(total, device=self.device)
         page_ids = self.block_table.long()[:, positions // page]
