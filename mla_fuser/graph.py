@@ -177,6 +177,7 @@ class MetaTracer(fx.Tracer):
     def __init__(self, root: nn.Module, opaque_functions=()):
         super().__init__()
         self.root_module = root
+        self._owned_modules = {id(m) for m in root.modules()}
         # functions recorded as single call nodes (not traced into) wherever the forward calls them by a
         # global name, e.g. a modeling file's kernel entry points
         self._autowrap_function_ids.update(id(f) for f in opaque_functions)
@@ -214,7 +215,7 @@ class MetaTracer(fx.Tracer):
         # module plainly instead of recording it a second time.
         if self._computing_meta:
             return forward(*args, **kwargs)
-        if not any(m is sub for sub in self.root_module.modules()):
+        if id(m) not in self._owned_modules:
             # a module created inside the forward (e.g. ``ACT2FN["silu"](x)``): not a child, trace through it
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
