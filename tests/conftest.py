@@ -28,3 +28,15 @@ def tiny_deepseek(arch="deepseek_v2", attn="sdpa", seed=0, layers=2, **overrides
     config = (DeepseekV2Config if arch == "deepseek_v2" else DeepseekV3Config)(**kwargs)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+
+
+def left_padded_prompts(lengths, vocab=128, seed=0):
+    """Random prompts of the given lengths, left-padded with 0 to the longest, and their attention mask."""
+    gen = torch.Generator().manual_seed(seed)
+    longest = max(lengths)
+    ids = torch.zeros(len(lengths), longest, dtype=torch.long)
+    mask = torch.zeros(len(lengths), longest, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, longest - n:] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[b, longest - n:] = 1
+    return ids, mask

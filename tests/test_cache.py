@@ -7,7 +7,7 @@ from transformers import DynamicCache
 import mla_fuser
 from mla_fuser.cache import CachePoolExhausted, PagedLatentCache, PagedLatentLayer, paged_layer_indices
 
-from conftest import tiny_deepseek
+from conftest import left_padded_prompts, tiny_deepseek
 
 import inspect
 
@@ -24,15 +24,7 @@ def _pair(arch="deepseek_v2", **kw):
     return native, fused
 
 
-def _prompts(lengths, vocab=128, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    longest = max(lengths)
-    ids = torch.zeros(len(lengths), longest, dtype=torch.long)
-    mask = torch.zeros(len(lengths), longest, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        ids[b, longest - n:] = torch.randint(3, vocab, (n,), generator=gen)
-        mask[b, longest - n:] = 1
-    return ids, mask
+_prompts = left_padded_prompts
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])

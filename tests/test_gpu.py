@@ -20,6 +20,8 @@ import mla_fuser  # noqa: E402
 from mla_fuser.cache import PagedLatentCache  # noqa: E402
 from mla_fuser.presets import preset_config  # noqa: E402
 
+from conftest import left_padded_prompts  # noqa: E402
+
 RESULTS = {}
 
 
@@ -51,13 +53,7 @@ def _rel(a, b):
 
 
 def _prompts(lengths, vocab, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    longest = max(lengths)
-    ids = torch.zeros(len(lengths), longest, dtype=torch.long)
-    mask = torch.zeros(len(lengths), longest, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        ids[b, longest - n:] = torch.randint(3, vocab, (n,), generator=gen)
-        mask[b, longest - n:] = 1
+    ids, mask = left_padded_prompts(lengths, vocab, seed)
     return ids.cuda(), mask.cuda()
 
 
