@@ -6,13 +6,15 @@ registries.  Public API::
     model = mla_fuser.AutoModelForCausalLM.from_pretrained(path, attn_implementation="vllm_mla")
     report = mla_fuser.fuse(model)          # any model, in place, idempotent
     model.fusion_report                     # the same report
+    step = mla_fuser.DecodeGraph(model, cache)  # decode steps replayed from one CUDA graph
 """
 
 from . import attention_interfaces  # noqa: F401  (registration side effect)
+from .decode_graph import DecodeGraph
 from .fusion import fuse
 from .fusers.base import FusionReport, FusionRow
 from .loader import AutoModel, AutoModelForCausalLM
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoModel", "AutoModelForCausalLM", "FusionReport", "FusionRow", "fuse", "__version__"]
+__all__ = ["AutoModel", "AutoModelForCausalLM", "DecodeGraph", "FusionReport", "FusionRow", "fuse", "__version__"]

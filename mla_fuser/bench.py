@@ -36,10 +36,14 @@ def _compiled_forward(model, mode: str, backend: str):
     return cached
 
 
-def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor"):
+def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor", cuda_graph=False):
     """Prefill ``ids`` then ``steps`` greedy decode steps.  With ``compile_mode`` the decode step runs under
     torch.compile over a static cache (paged for fused models, Transformers' StaticCache for native ones) with
-    explicit position ids, the setting in which a decode step can be captured in a CUDA graph."""
+    explicit position ids, the setting in which a decode step can be captured in a CUDA graph.
+
+    With ``cuda_graph`` a fused model's decode step is captured by :class:`mla_fuser.DecodeGraph` over a static
+    paged cache; its first two steps (eager warm-up, capture) run before the clock starts, so the time is that of
+    ``steps`` replays.  Models without paged layers (native) run eagerly as usual."""
     from transformers import DynamicCache, StaticCache
 
     from .cache import PagedLatentCache, paged_layer_indices
@@ -47,9 +51,11 @@ def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor"
     key = _cache_kwarg(model)
     device = ids.device
     batch, context = ids.shape
-    max_len = context + steps + 16
-    if paged_layer_indices(model):  # what generate() of a fused model uses
-        if compile_mode:
+    max_len = context + steps + 16 + (2 if cuda_graph else 0)
+    paged = bool(paged_layer_indices(model))
+    cuda_graph = cuda_graph and paged
+    if paged:  # what generate() of a fused model uses
+        if compile_mode or cuda_graph:
             cache = PagedLatentCache(model, static=True, max_seq_len=max_len,
                                      max_cache_tokens=batch * (max_len + 64))
         else:
@@ -59,6 +65,13 @@ def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor"
     else:
         cache = DynamicCache(config=model.config)
     step_fn = _compiled_forward(model, compile_mode, compile_backend) if compile_mode else model.forward
+    if cuda_graph:
+        from .decode_graph import DecodeGraph
+
+        graph = DecodeGraph(model, cache)
+
+        def step_fn(input_ids, position_ids, **_):
+            return graph(input_ids, position_ids).unsqueeze(1)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -73,16 +86,26 @@ def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor"
         prefill_peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        for i in range(steps):
+
+        def step(i, token):
             position = torch.full((batch, 1), context + i, device=device, dtype=torch.long)
-            out = step_fn(input_ids=token, position_ids=position, use_cache=True, **{key: cache})
-            token = out.logits[:, -1:].argmax(-1)
+            logits = step_fn(input_ids=token, position_ids=position, use_cache=True, **{key: cache})
+            logits = logits if isinstance(logits, torch.Tensor) else logits.logits
+            return logits[:, -1:].argmax(-1)
+
+        untimed = 2 if cuda_graph else 0  # eager warm-up step and the capture
+        for i in range(untimed):
+            token = step(i, token)
+            tokens.append(token)
+        _sync(device)
+        t0 = time.perf_counter()
+        for i in range(untimed, untimed + steps):
+            token = step(i, token)
             tokens.append(token)
         _sync(device)
         decode = time.perf_counter() - t0
     decode_peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else None
-    del cache, out
+    del cache, out, step_fn
     gc.collect()
     return prefill, decode / steps, torch.cat(tokens, dim=1), (prefill_peak, decode_peak)
 
@@ -102,6 +125,8 @@ def run_model_bench(args) -> dict:
         else platform.processor() or "cpu", "torch": torch.__version__, "steps": args.steps,
         "fused_modules": len(fused.fusion_report.fused()), "runs": [],
         "compile_mode": args.compile_mode, "compile_backend": args.compile_backend,
+        "cuda_graph": bool(getattr(args, "cuda_graph", False)),
+        "native_decode": "eager, DynamicCache" if not args.compile_mode else f"torch.compile {args.compile_mode}",
     }
     import transformers
 
@@ -112,8 +137,9 @@ def run_model_bench(args) -> dict:
         row = {"batch": batch, "context": context}
         # warm-up on the same shapes, so one-time costs (Triton compiles per kernel variant) are not timed
         compiled = dict(compile_mode=args.compile_mode, compile_backend=args.compile_backend)
-        _decode_run(fused, ids, 2, **compiled)
-        prefill, step, tokens, peak = _decode_run(fused, ids, args.steps, **compiled)
+        graphed = dict(compiled, cuda_graph=getattr(args, "cuda_graph", False))
+        _decode_run(fused, ids, 2, **graphed)
+        prefill, step, tokens, peak = _decode_run(fused, ids, args.steps, **graphed)
         row["fused"] = {"prefill_s": prefill, "ms_per_step": step * 1e3, "tok_per_s": batch / step,
                         "prefill_peak_over_weights_bytes": peak[0], "decode_peak_over_weights_bytes": peak[1]}
         if native is not None:
@@ -121,8 +147,12 @@ def run_model_bench(args) -> dict:
             n_prefill, n_step, n_tokens, n_peak = _decode_run(native, ids, args.steps, **compiled)
             row["native"] = {"prefill_s": n_prefill, "ms_per_step": n_step * 1e3, "tok_per_s": batch / n_step,
                              "prefill_peak_over_weights_bytes": n_peak[0], "decode_peak_over_weights_bytes": n_peak[1]}
+            common = min(tokens.shape[1], n_tokens.shape[1])  # a captured run decodes two untimed steps more
+            tokens, n_tokens = tokens[:, :common], n_tokens[:, :common]
             row["greedy_tokens_equal"] = bool(torch.equal(tokens, n_tokens))
             row["greedy_tokens_agreement"] = float((tokens == n_tokens).float().mean())
+            diverged = (tokens != n_tokens).any(0).nonzero()
+            row["greedy_first_divergence"] = int(diverged[0]) if len(diverged) else None
             row["speedup"] = n_step / step
         result["runs"].append(row)
         print(row, flush=True)

@@ -1,0 +1,105 @@
+"""DecodeGraph on CPU (no capture): same tokens as the model's own decode, and the refusals that keep a captured
+step from ever replaying on memory that moved or grew.  The captured replay itself is tested in test_gpu.py."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import mla_fuser
+from mla_fuser import DecodeGraph
+from mla_fuser.cache import CachePoolExhausted, PagedLatentCache
+
+from conftest import tiny_deepseek
+from tiny_mamba_configs import make_model
+
+
+def _fused_pair(arch="deepseek_v2"):
+    native = tiny_deepseek(arch)
+    fused = tiny_deepseek(arch, attn="vllm_mla")
+    mla_fuser.fuse(fused)
+    return native, fused
+
+
+def _prompt(batch=2, length=7, vocab=128, seed=3):
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy_with_graph(model, cache, ids, steps):
+    with torch.no_grad():
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
+    step = DecodeGraph(model, cache, capture=False)
+    token = logits.argmax(-1, keepdim=True)
+    tokens, all_logits = [token], [logits]
+    for i in range(steps):
+        position = torch.full_like(token, ids.shape[1] + i)
+        logits = step(token, position)
+        token = logits.argmax(-1, keepdim=True)
+        tokens.append(token)
+        all_logits.append(logits)
+    return torch.cat(tokens, 1), torch.stack(all_logits, 1)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_graph_steps_equal_native_generate(arch):
+    native, fused = _fused_pair(arch)
+    ids = _prompt()
+    cache = PagedLatentCache(fused, static=True, max_seq_len=32, page_size=16, max_cache_tokens=128)
+    tokens, _ = _greedy_with_graph(fused, cache, ids, 12)
+    with torch.no_grad():
+        ref = native.generate(ids, max_new_tokens=13, do_sample=False)[:, ids.shape[1]:]
+    assert torch.equal(tokens, ref)
+
+
+def test_mamba2_graph_steps_equal_native_generate():
+    native = make_model("mamba2")
+    fused = make_model("mamba2")
+    mla_fuser.fuse(fused)
+    assert fused.fusion_report.fused("mamba")
+    ids = _prompt(length=9, vocab=native.config.vocab_size)
+    tokens, logits = _greedy_with_graph(fused, DynamicCache(config=fused.config), ids, 10)
+    with torch.no_grad():
+        out = native.generate(ids, max_new_tokens=11, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True)
+    assert torch.equal(tokens, out.sequences[:, ids.shape[1]:])
+    ref = torch.stack(out.scores, 1)
+    assert ((logits - ref).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+def test_refuses_caches_that_grow():
+    _, fused = _fused_pair()
+    with pytest.raises(ValueError, match="static=True"):
+        DecodeGraph(fused, PagedLatentCache(fused, max_cache_tokens=64), capture=False)
+    with pytest.raises(ValueError, match="DynamicLayer"):
+        DecodeGraph(fused, DynamicCache(config=fused.config), capture=False)
+    with pytest.raises(TypeError, match="Cache"):
+        DecodeGraph(fused, object(), capture=False)
+
+
+def test_refuses_bad_steps_and_a_full_cache():
+    _, fused = _fused_pair()
+    ids = _prompt(length=5)
+    cache = PagedLatentCache(fused, static=True, max_seq_len=7, page_size=4, max_cache_tokens=64)
+    step = DecodeGraph(fused, cache, capture=False)
+    token = torch.full((2, 1), 5)
+    with pytest.raises(RuntimeError, match="prefill"):
+        step(token, token)
+    with torch.no_grad():
+        fused(input_ids=ids, cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match=r"\[B, 1\]"):
+        step(ids, ids)
+    with pytest.raises(ValueError, match="batch of 3"):
+        step(torch.full((3, 1), 5), torch.full((3, 1), 5))
+    step(token, torch.full((2, 1), 5))
+    step(token, torch.full((2, 1), 6))
+    before = [layer.pool.pages.clone() for layer in cache.layers]
+    with pytest.raises(CachePoolExhausted, match="full"):
+        step(token, torch.full((2, 1), 7))
+    assert all(torch.equal(b, layer.pool.pages) for b, layer in zip(before, cache.layers))
+    assert cache.get_seq_length() == 7
+
+
+def test_capture_needs_cuda():
+    _, fused = _fused_pair()
+    cache = PagedLatentCache(fused, static=True, max_seq_len=8, max_cache_tokens=64)
+    with pytest.raises(ValueError, match="CUDA"):
+        DecodeGraph(fused, cache, capture=True)
