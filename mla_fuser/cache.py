@@ -79,6 +79,19 @@ class PagePool:
         self.free.extend(reversed(pages))
 
 
+def _upload(host: torch.Tensor, device, current: torch.Tensor | None) -> torch.Tensor:
+    """``host`` on ``device``, written into ``current`` when it has the same shape (fixed addresses for CUDA
+    graphs).  A CUDA copy goes through pinned memory so it is asynchronous: a copy from pageable memory waits for
+    every kernel queued so far, which in a prefill would stall the host once per layer."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    if current is not None and current.shape == host.shape and current.device == device:
+        current.copy_(host, non_blocking=True)
+        return current
+    return host.to(device, non_blocking=True)
+
+
 class PagedView:
     """Handle the attention function receives (attached to the stand-in key tensor)."""
 
@@ -149,15 +162,9 @@ class PagedLatentLayer(CacheLayerMixin):
         table = torch.zeros(len(self.host_tables), width, dtype=torch.int32)
         for b, pages in enumerate(self.host_tables):
             table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        if self.block_table is not None and self.block_table.shape == table.shape:
-            self.block_table.copy_(table.to(self.device, non_blocking=True))
-        else:
-            self.block_table = table.to(self.device)
         lens = torch.tensor(self.host_lens, dtype=torch.int32)
-        if self.seq_lens is not None and self.seq_lens.shape == lens.shape:
-            self.seq_lens.copy_(lens.to(self.device, non_blocking=True))
-        else:
-            self.seq_lens = lens.to(self.device)
+        self.block_table = _upload(table, self.device, self.block_table)
+        self.seq_lens = _upload(lens, self.device, self.seq_lens)
 
     def _reserve(self, target_lens: list[int]) -> bool:
         """Make every sequence hold pages for ``target_lens`` tokens; all-or-nothing.  True if pages moved."""
@@ -263,15 +270,25 @@ class PagedLatentLayer(CacheLayerMixin):
             if self.pool is not None:
                 self._sync_tables()
             return
+        lens = [self.host_lens[s] for s in source]
+        page = self.pool.page_size
+        needed = sum(max(math.ceil(n / page), math.ceil(self.cache.max_seq_len / page) if self.cache.static else 0)
+                     for n in lens)
+        available = len(self.pool.free) + sum(len(t) for t in self.host_tables)
+        if needed > available and not self.pool.growable:
+            # checked before anything is released: a failed copy leaves the cache as it was
+            raise CachePoolExhausted(
+                f"paged latent cache: copying sequences {source} needs {needed} pages of {page} tokens, the pool "
+                f"has {available} (free plus this cache's own); raise max_cache_tokens / memory_fraction"
+            )
         data = self.gather()[torch.as_tensor(source, device=self.device)]  # [B', T, W]
         old = self.host_tables
-        lens = [self.host_lens[s] for s in source]
         self.host_tables = [[] for _ in source]
         self.host_lens = [0] * len(source)
         for t in old:
             self.pool.release(t)
-        self._reserve(lens)  # also rebuilds the block table for the new batch
-        page = self.pool.page_size
+        # also rebuilds the block table for the new batch; a static cache keeps every sequence's full reservation
+        self._reserve([max(n, self.cache.max_seq_len) for n in lens] if self.cache.static else lens)
         positions = torch.arange(total, device=self.device)
         page_ids = self.block_table.long()[:, positions // page]
         slots = (page_ids * page + positions % page).reshape(-1)

@@ -92,6 +92,31 @@ def test_static_paged_cache_equals_native_and_keeps_addresses(arch):
     assert cache.get_max_length() == 32
 
 
+def test_static_paged_cache_beam_search_crosses_pages_like_native():
+    """Beam reordering of a static cache keeps every sequence's full reservation, so later steps that cross
+    page boundaries still find their pages (and the block table keeps its shape and address)."""
+    native, fused = _pair()
+    ids, mask = _prompts([3, 5], seed=11)
+    cache = PagedLatentCache(fused, page_size=4, static=True, max_seq_len=24, max_cache_tokens=4 * 24)
+    kw = dict(attention_mask=mask, max_new_tokens=14, num_beams=2, do_sample=False)
+    assert torch.equal(fused.generate(ids, **{KW: cache}, **kw), native.generate(ids, **kw))
+    assert cache.layers[1].block_table.shape == (4, 6)
+
+
+def test_failed_sequence_copy_leaves_the_cache_as_it_was():
+    _, fused = _pair()
+    ids, _ = _prompts([9, 9], seed=12)
+    cache = PagedLatentCache(fused, page_size=4, max_cache_tokens=24)  # 6 pages per layer, 3 per sequence used
+    with torch.no_grad():
+        fused(input_ids=ids, **{KW: cache}, use_cache=True)
+    layer = cache.layers[1]
+    tables, lens, data = [list(t) for t in layer.host_tables], list(layer.host_lens), layer.gather().clone()
+    with pytest.raises(CachePoolExhausted, match="copying sequences"):
+        cache.batch_repeat_interleave(3)  # 6 sequences x 3 pages > 6 pages
+    assert layer.host_tables == tables and layer.host_lens == lens
+    assert torch.equal(layer.gather(), data)
+
+
 def test_transformers_static_cache_still_works_when_fused():
     native, fused = _pair()
     ids, mask = _prompts([4, 6], seed=5)
