@@ -196,11 +196,13 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
         )
     kv_b = plan.kv_b(module)
     kv_len = kv_c.shape[2]
-    allowed, bias = _allowed_mask(attention_mask, batch, heads, q_len, kv_len, query.device, indices,
-                                  sliding_window, is_causal)
-    folded = _boolean_mask(allowed, bias)
-    if (_prefer_expanded(q_len, kv_c.shape[2]) or (bias is not None and folded is None) or softcap is not None
-            or (dropout and module.training)):
+    expand = _prefer_expanded(q_len, kv_len) or softcap is not None or bool(dropout and module.training)
+    if not expand:  # the mask is only built for the absorbed path (a causal prefill mask would be T x T)
+        allowed, bias = _allowed_mask(attention_mask, batch, heads, q_len, kv_len, query.device, indices,
+                                      sliding_window, is_causal)
+        folded = _boolean_mask(allowed, bias)
+        expand = bias is not None and folded is None
+    if expand:
         # prefill is compute-bound: expanding K/V (for the tokens attended to) and running ordinary attention
         # costs fewer FLOPs than attending in the 576-wide absorbed space.  The same exact path serves what the
         # absorbed kernel does not do: additive biases other than 0 / -inf, softcapping, training dropout.
@@ -224,10 +226,10 @@ def padded_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         value = value.repeat_interleave(heads // kv_heads, dim=1)
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    allowed, bias = _allowed_mask(attention_mask, batch, heads, q_len, kv_len, query.device, indices,
-                                  sliding_window, is_causal)
     scale = scaling if scaling is not None else qk_dim ** -0.5
+    mask_args = (attention_mask, batch, heads, q_len, kv_len, query.device, indices, sliding_window, is_causal)
     if s_aux is not None or softcap is not None:
+        allowed, bias = _allowed_mask(*mask_args)
         scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -248,6 +250,7 @@ def padded_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             is_causal=bool(is_causal and q_len > 1),
         )
         return out[..., :v_dim].transpose(1, 2).contiguous()
+    allowed, bias = _allowed_mask(*mask_args)
     additive = None
     if allowed is not None or bias is not None:
         minimum = torch.finfo(query.dtype).min
