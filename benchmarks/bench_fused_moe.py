@@ -237,11 +237,17 @@ def sweep_grid(path, num_tokens, shape, dry_run):
     avg = num_tokens * shape["K"] / shape["E"]
     block_ms = [bm for bm in (16, 32, 64, 128) if bm <= 2 * max(avg, 8) and bm >= min(avg, 64) / 2] or [64]
     out = {}
+    # prefill-sized batches (hundreds of pairs per expert) are compute-bound: wider N tiles and larger groups
+    wide = avg > 256
+    widths, groups = ((64, 128, 256), (8, 16)) if wide else ((64, 128), (8,))
     for bm in block_ms:
+        if wide and bm < 64:
+            continue
         out[bm] = [
-            dict(BLOCK_M=bm, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
-            for n, k, w, s in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))
-            if not (bm == 128 and n == 128 and k == 128)
+            dict(BLOCK_M=bm, BLOCK_N=n, BLOCK_K=k, GROUP_M=g, num_warps=w, num_stages=s)
+            for n, k, g, w, s in itertools.product(widths, (64, 128), groups, (4, 8), (3, 4))
+            # tiles whose shared memory cannot fit are skipped (configs that still do not fit fail and are recorded)
+            if not (bm == 128 and n == 128 and k == 128) and not (n == 256 and (k == 128 or w == 4))
         ]
     return out
 

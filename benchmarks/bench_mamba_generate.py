@@ -35,7 +35,8 @@ def build(layers: int, tiny: bool, device, dtype):
 def timed_generate(model, ids, new_tokens, device):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
-        model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up (kernel compiles)
+        model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up (kernel compiles) ...
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)  # ... also of the prompt-length variants
         sync()
         t0 = time.perf_counter()
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
@@ -48,6 +49,34 @@ def timed_generate(model, ids, new_tokens, device):
     decode_ms = max(total - prefill, 1e-9) / new_tokens * 1e3
     return out[:, ids.shape[1]:], {"prefill_s": prefill, "generate_s": total, "decode_ms_per_step_est": decode_ms,
                                    "tok_per_s": ids.shape[0] * new_tokens / total}
+
+
+def graph_decode(model, ids, new_tokens, device):
+    """Prefill ``ids`` eagerly, then ``new_tokens`` greedy decode steps replayed from one CUDA graph
+    (``mla_fuser.DecodeGraph``; eager steps with the same code on CPU).  Returns ms per step; the two
+    warm-up steps (eager, capture) are not timed."""
+    from transformers import DynamicCache
+
+    from mla_fuser import DecodeGraph
+    from mla_fuser.decode_graph import _cache_keyword
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_keyword(model): cache}).logits
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        step = DecodeGraph(model, cache)
+        position = ids.shape[1]
+        for _ in range(2):
+            token = step(token, torch.full_like(token, position)).argmax(-1, keepdim=True)
+            position += 1
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            token = step(token, torch.full_like(token, position)).argmax(-1, keepdim=True)
+            position += 1
+        sync()
+    return (time.perf_counter() - t0) / new_tokens * 1e3
 
 
 def main():
@@ -74,6 +103,18 @@ def main():
     ids = torch.randint(3, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1)).to(device)
     n_tokens, n_stats = timed_generate(native, ids, args.new_tokens, device)
     f_tokens, f_stats = timed_generate(fused, ids, args.new_tokens, device)
+    with torch.no_grad():  # how far apart the paths are before any token is chosen, and from fp32
+        a = native(input_ids=ids, use_cache=False).logits.float()
+        b = fused(input_ids=ids, use_cache=False).logits.float()
+        oracle = build(args.layers, args.dry_run, device, torch.float32)
+        oracle.load_state_dict(native.state_dict())
+        c = oracle(input_ids=ids, use_cache=False).logits.float()
+        del oracle
+    rel = lambda x, y: ((x - y).abs().max() / y.abs().max()).item()  # noqa: E731
+    prefill_rel_err = rel(b, a)
+    errors_vs_fp32 = {"native": rel(a, c), "fused": rel(b, c)}
+    agree = (n_tokens == f_tokens).all(0)
+    first_divergence = int((~agree).nonzero()[0]) if not bool(agree.all()) else None
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "dtype": str(dtype), "layers": args.layers, "prompt": args.prompt,
@@ -81,7 +122,19 @@ def main():
         "fused_mixers": len(report.fused("mamba")), "native": n_stats, "fused": f_stats,
         "speedup_tok_per_s": f_stats["tok_per_s"] / n_stats["tok_per_s"],
         "greedy_token_agreement": float((n_tokens == f_tokens).float().mean()),
+        "greedy_first_divergence": first_divergence, "prefill_logits_rel_err": prefill_rel_err,
+        "prefill_logits_rel_err_vs_native_fp32": errors_vs_fp32,
     }
+    # decode replayed from a CUDA graph: per layer, at two context lengths (a fixed-size state: no dependence)
+    for name, model in (("fused", fused), ("native", native)):
+        graphed = {}
+        for prompt in sorted({args.prompt, max(8, args.prompt // 8)}):
+            try:
+                ms = graph_decode(model, ids[:, :prompt], args.new_tokens, device)
+                graphed[str(prompt)] = {"ms_per_step": ms, "ms_per_layer": ms / model.config.num_hidden_layers}
+            except Exception as exc:  # noqa: BLE001 - reported: the native torch path may not be capturable
+                graphed[str(prompt)] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        result[f"{name}_graph_decode"] = graphed
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=2)

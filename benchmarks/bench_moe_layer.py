@@ -73,6 +73,29 @@ def timings(fn, x, device, graphs: bool):
     return out
 
 
+def bytes_read(layer, x) -> int:
+    """Weight bytes one forward of ``layer`` on ``x`` must read: router, shared experts and each routed expert
+    picked by at least one token (the floor any implementation pays; what bandwidth is reported against)."""
+    with torch.no_grad():
+        _, _, ids = layer.gate(x)
+    experts = layer.experts
+    per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * experts.gate_up_proj.element_size()
+    rest = sum(p.numel() * p.element_size() for name, p in layer.named_parameters() if not name.startswith("experts."))
+    return int(per_expert * torch.unique(ids).numel() + rest)
+
+
+def copy_bandwidth(device) -> float | None:
+    """Device-to-device copy GB/s (read + write) of a 1 GiB buffer, the ceiling bandwidth figures compare with."""
+    if device.type != "cuda":
+        return None
+    import triton.testing
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50)
+    return 2 * src.numel() / ms / 1e6
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="1,16,64,512,8192")
@@ -95,7 +118,8 @@ def main():
     fused = copy.deepcopy(reference)
     hidden = reference.config.hidden_size
     fuse_layer(fused, torch.randn(1, 3, hidden, device=device, dtype=dtype))
-    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    copy_gbps = copy_bandwidth(device)
+    results = {"device_copy_gbps": copy_gbps, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "dtype": str(dtype), "targets_ms": {1: 0.10, 16: 0.35, 64: 0.45, 512: 0.7,
                                                                                 8192: 2.3}, "rows": []}
     gen = torch.Generator(device=device).manual_seed(1)
@@ -106,7 +130,19 @@ def main():
             ref_out = reference(x).float()
             row["rel_err_vs_native"] = ((fused(x).float() - ref_out).abs().max() / ref_out.abs().max()).item()
             for impl, layer in natives.items():
-                row[f"native_{impl}"] = timings(layer, x, device, graphs=impl != "eager")
+                if impl == "batched_mm" and t > 512:  # gathers [T*K, 2I, H] weights: 528 GiB at 8192 tokens
+                    row[f"native_{impl}"] = {"skipped": "gathers a weight copy per (token, expert): out of memory"}
+                    continue
+                try:
+                    row[f"native_{impl}"] = timings(layer, x, device, graphs=impl != "eager")
+                except torch.OutOfMemoryError as exc:
+                    row[f"native_{impl}"] = {"error": f"out of memory: {str(exc)[:120]}"}
+                    torch.cuda.empty_cache()
+            weight_bytes = bytes_read(reference, x)
+            row["weight_bytes_read"] = weight_bytes
+            for kind in ("eager_ms", "cudagraph_ms"):
+                if kind in row["fused"]:
+                    row["fused"][kind.replace("_ms", "_weight_gbps")] = weight_bytes / row["fused"][kind] / 1e6
             base = row[f"native_{impls[0]}"]
             row["speedup_eager"] = base["eager_ms"] / row["fused"]["eager_ms"]
             if "cudagraph_ms" in base:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project in one run (fits one 10-minute device call on an H200).
 # Usage on the GPU machine, from the repo root, with the libcst and transformers wheels carried in .whl/:
-#   bash benchmarks/gpu_suite.sh            # results under $OUT (or benchmarks/results/gpu_suite/ if unset)
-# Each step has its own time limit so one slow step cannot eat the others.
+#   bash benchmarks/gpu_suite.sh                 # every step; results under $OUT (or benchmarks/results/gpu_suite/)
+#   bash benchmarks/gpu_suite.sh tests graph     # only the named steps
+# Steps: tests kernel moe moe_layer ssm model graph profile mamba.  Each has its own time limit so one slow step cannot
+# eat the others.
 set -u
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -13,20 +15,22 @@ fi
 export PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results/gpu_suite}
 mkdir -p "$out"
+steps=${*:-tests kernel moe moe_layer ssm model graph profile mamba}
 python3 -c "import torch, triton, transformers; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, transformers.__version__)"
 
 step() { local limit=$1; shift; echo "== $*"; timeout "$limit" "$@" 2>&1 | grep -v Warning | tail -25; }
+want() { [[ " $steps " == *" $1 "* ]]; }
 
-step 90  env MLA_FUSER_GPU_RESULTS="$out/gpu_tests.json" python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider
-step 60  python3 benchmarks/bench_mla_decode_kernel.py --out "$out/mla_decode_kernel.json"
-step 90  python3 benchmarks/bench_fused_moe.py --cuda-graph --hf-impls grouped_mm --out "$out/fused_moe.json"
-step 60  python3 benchmarks/bench_moe_layer.py --native-impls grouped_mm,batched_mm --out "$out/moe_layer.json"
-step 60  python3 benchmarks/bench_ssm_kernels.py --out "$out/ssm_kernels.json"
-step 120 python3 -m mla_fuser.cli bench --preset deepseek-v2-lite --device cuda --dtype bf16 \
+want tests && step 150 env MLA_FUSER_GPU_RESULTS="$out/gpu_tests.json" python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider
+want kernel && step 60 python3 benchmarks/bench_mla_decode_kernel.py --out "$out/mla_decode_kernel.json"
+want moe && step 90 python3 benchmarks/bench_fused_moe.py --cuda-graph --hf-impls grouped_mm --out "$out/fused_moe.json"
+want moe_layer && step 60 python3 benchmarks/bench_moe_layer.py --native-impls grouped_mm,batched_mm --out "$out/moe_layer.json"
+want ssm && step 60 python3 benchmarks/bench_ssm_kernels.py --out "$out/ssm_kernels.json"
+want model && step 120 python3 -m mla_fuser.cli bench --preset deepseek-v2-lite --device cuda --dtype bf16 \
            --shapes 1x512,16x4096,1x32768 --steps 16 --out "$out/model_bench.json"
-step 150 python3 -m mla_fuser.cli bench --preset deepseek-v2-lite --device cuda --dtype bf16 \
-           --shapes 1x512,16x4096 --steps 16 --compile-mode reduce-overhead --skip-native \
-           --out "$out/model_bench_compiled.json"
-step 90  python3 benchmarks/bench_mamba_generate.py --layers 8 --prompt 2048 --new-tokens 64 \
+want graph && step 180 python3 -m mla_fuser.cli bench --preset deepseek-v2-lite --device cuda --dtype bf16 \
+           --shapes 1x512,16x4096,1x32768 --steps 32 --cuda-graph --out "$out/model_bench_cuda_graph.json"
+want profile && step 150 python3 benchmarks/profile_model.py --out "$out/profile_model.json"
+want mamba && step 120 python3 benchmarks/bench_mamba_generate.py --layers 8 --prompt 2048 --new-tokens 64 \
            --out "$out/mamba2_generate.json"
 ls -la "$out"
