@@ -35,8 +35,9 @@ def build(layers: int, tiny: bool, device, dtype):
 def timed_generate(model, ids, new_tokens, device):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
-        model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up (kernel compiles) ...
-        model(input_ids=ids, use_cache=False, logits_to_keep=1)  # ... also of the prompt-length variants
+        # warm-up: every kernel variant the timed calls use (prefill with and without a cache, decode steps)
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
         sync()
         t0 = time.perf_counter()
         model(input_ids=ids, use_cache=False, logits_to_keep=1)

@@ -684,6 +684,11 @@ def _default_config(path: str, num_tokens: int, topk: int, num_experts: int) -> 
         g = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4)
     elif avg <= 96:
         g = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    elif avg > 256:
+        # prefill-sized (compute-bound); the best of a sweep on an H200 at 8192 tokens (avg 768 pairs per
+        # expert, benchmarks/results/fused_moe_sweep_prefill.json): 2.07 ms vs 2.16 with the tile below
+        return {"gemm1": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=4),
+                "gemm2": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)}
     else:
         g = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
     g1 = dict(g)
