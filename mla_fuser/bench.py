@@ -56,8 +56,7 @@ def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor"
     cuda_graph = cuda_graph and paged
     if paged:  # what generate() of a fused model uses
         if compile_mode or cuda_graph:
-            cache = PagedLatentCache(model, static=True, max_seq_len=max_len,
-                                     max_cache_tokens=batch * (max_len + 64))
+            cache = PagedLatentCache.static_for(model, batch, max_len)
         else:
             cache = PagedLatentCache(model, max_cache_tokens=batch * (context + steps + 128))
     elif compile_mode:
@@ -110,6 +109,35 @@ def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor"
     return prefill, decode / steps, torch.cat(tokens, dim=1), (prefill_peak, decode_peak)
 
 
+def _generate_run(model, ids, steps, warm_tokens=8):
+    """Transformers' own ``generate`` (greedy): ms/step from two calls that differ by ``steps`` new tokens, so the
+    prefill (and, for a fused model on CUDA, the eager first step and the capture of the graphed decode) cancel.
+    Returns (prefill_s, s/step, tokens of the longer call, (None, decode peak bytes over weights))."""
+    device = ids.device
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False)
+
+    def timed(n):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        _sync(device)
+        return time.perf_counter() - t0, out
+
+    with torch.no_grad():
+        timed(warm_tokens)  # kernel compiles
+        short, _ = timed(warm_tokens)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        long, out = timed(warm_tokens + steps)
+        peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else None
+        t0 = time.perf_counter()
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        _sync(device)
+        prefill = time.perf_counter() - t0
+    return prefill, (long - short) / steps, out[:, ids.shape[1]:], (None, peak)
+
+
 def run_model_bench(args) -> dict:
     from .cli import _load
 
@@ -126,6 +154,7 @@ def run_model_bench(args) -> dict:
         "fused_modules": len(fused.fusion_report.fused()), "runs": [],
         "compile_mode": args.compile_mode, "compile_backend": args.compile_backend,
         "cuda_graph": bool(getattr(args, "cuda_graph", False)),
+        "loop": "transformers generate" if getattr(args, "generate", False) else "manual decode loop",
         "native_decode": "eager, DynamicCache" if not args.compile_mode else f"torch.compile {args.compile_mode}",
     }
     import transformers
@@ -138,13 +167,23 @@ def run_model_bench(args) -> dict:
         # warm-up on the same shapes, so one-time costs (Triton compiles per kernel variant) are not timed
         compiled = dict(compile_mode=args.compile_mode, compile_backend=args.compile_backend)
         graphed = dict(compiled, cuda_graph=getattr(args, "cuda_graph", False))
-        _decode_run(fused, ids, 2, **graphed)
-        prefill, step, tokens, peak = _decode_run(fused, ids, args.steps, **graphed)
+        if getattr(args, "generate", False):
+            run = lambda model: _generate_run(model, ids, args.steps)  # noqa: E731
+        else:
+            def run(model):
+                _decode_run(model, ids, 2, **graphed)
+                return _decode_run(model, ids, args.steps, **graphed)
+        prefill, step, tokens, peak = run(fused)
+        if getattr(args, "generate", False):
+            row["fused_graphed_steps"] = getattr(fused, "_mla_fuser_graphed_steps", 0)
         row["fused"] = {"prefill_s": prefill, "ms_per_step": step * 1e3, "tok_per_s": batch / step,
                         "prefill_peak_over_weights_bytes": peak[0], "decode_peak_over_weights_bytes": peak[1]}
         if native is not None:
-            _decode_run(native, ids, 2, **compiled)
-            n_prefill, n_step, n_tokens, n_peak = _decode_run(native, ids, args.steps, **compiled)
+            if getattr(args, "generate", False):
+                n_prefill, n_step, n_tokens, n_peak = run(native)
+            else:
+                _decode_run(native, ids, 2, **compiled)
+                n_prefill, n_step, n_tokens, n_peak = _decode_run(native, ids, args.steps, **compiled)
             row["native"] = {"prefill_s": n_prefill, "ms_per_step": n_step * 1e3, "tok_per_s": batch / n_step,
                              "prefill_peak_over_weights_bytes": n_peak[0], "decode_peak_over_weights_bytes": n_peak[1]}
             common = min(tokens.shape[1], n_tokens.shape[1])  # a captured run decodes two untimed steps more

@@ -353,6 +353,13 @@ class PagedLatentCache(DynamicCache):
             elif idx >= len(self.layers):
                 raise ValueError(f"layer {idx} is not a layer of this model's cache")
 
+    @classmethod
+    def static_for(cls, model, batch: int, max_seq_len: int, page_size: int = 64) -> "PagedLatentCache":
+        """A static cache holding exactly ``batch`` sequences of up to ``max_seq_len`` tokens (whole pages)."""
+        pages = math.ceil(max_seq_len / page_size)
+        return cls(model, page_size=page_size, static=True, max_seq_len=max_seq_len,
+                   max_cache_tokens=batch * pages * page_size)
+
     def _pool_for(self, layer_idx: int, width: int, dtype, device) -> PagePool:
         pool = self._pools.get(layer_idx)
         if pool is not None:
@@ -405,7 +412,9 @@ def install_auto_paged_cache(model) -> bool:
     """Make ``model.generate`` use a ``PagedLatentCache`` when the caller asks for no particular cache.
 
     Bound to this instance only (the class and Transformers stay untouched).  Any cache the caller passes,
-    any ``cache_implementation`` (argument or generation config) or ``use_cache=False`` wins.
+    any ``cache_implementation`` (argument or generation config) or ``use_cache=False`` wins.  On CUDA, an
+    unpadded single-beam call with enough new tokens gets a static cache sized for it and its decode steps
+    replayed from a CUDA graph (``decode_graph.GraphedForward``; ``MLA_FUSER_CUDA_GRAPHS=0`` turns that off).
     """
     import types
 
@@ -421,9 +430,21 @@ def install_auto_paged_cache(model) -> bool:
             and kwargs.get("cache_implementation", getattr(config, "cache_implementation", None)) is None
             and kwargs.get("use_cache", getattr(config, "use_cache", True)) is not False
         )
-        if wants_default:
+        if not wants_default:
+            return generate(self, *args, **kwargs)
+        from .decode_graph import GraphedForward, graphed_generate_plan
+
+        plan = graphed_generate_plan(self, args, kwargs)
+        if plan is None:
             kwargs[keyword] = PagedLatentCache(self)
-        return generate(self, *args, **kwargs)
+            return generate(self, *args, **kwargs)
+        batch, max_seq_len = plan  # decode steps replayed from a CUDA graph over a static cache of exactly this size
+        cache = PagedLatentCache.static_for(self, batch, max_seq_len)
+        kwargs[keyword] = cache
+        with GraphedForward(self, cache) as graphed:
+            out = generate(self, *args, **kwargs)
+        object.__setattr__(self, "_mla_fuser_graphed_steps", graphed.steps)  # diagnostics: steps replayed
+        return out
 
     model.generate = types.MethodType(generate_with_paged_cache, model)
     object.__setattr__(model, "_mla_fuser_auto_cache", True)

@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", help="write the JSON here")
     bench.add_argument("--plot", help="write a PNG of ms/step against context length (needs matplotlib)")
     bench.add_argument("--skip-native", action="store_true")
+    bench.add_argument("--generate", action="store_true",
+                       help="time Transformers' generate() itself (ms/step from two calls; fused models on CUDA "
+                            "replay decode steps from a CUDA graph)")
     bench.add_argument("--cuda-graph", action="store_true",
                        help="capture the fused decode step as a CUDA graph (mla_fuser.DecodeGraph, static paged cache)")
     bench.add_argument("--compile-mode", default=None, choices=[None, "default", "reduce-overhead", "max-autotune"],

@@ -191,3 +191,127 @@ class DecodeGraph:
         for layer in self._paged_layers():  # what the replayed kernels did on the device
             layer.host_lens = [n + 1 for n in layer.host_lens]
         return self._logits.clone()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# generate(): decode steps replayed from a graph
+
+
+# Fewer new tokens than this do not repay the capture (about one eager step plus instantiation).
+GENERATE_MIN_NEW_TOKENS = 8
+
+
+def cuda_graphs_wanted() -> bool:
+    """``MLA_FUSER_CUDA_GRAPHS=0`` turns the graphed decode of ``generate`` off (read, never written)."""
+    import os
+
+    return os.environ.get("MLA_FUSER_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class GraphedForward:
+    """A forward for one ``generate`` call: decode steps over ``cache`` replay a :class:`DecodeGraph`, every other
+    call (the prefill, anything with inputs the graph does not take) runs the model's own forward.
+
+    Bound to the model instance for the duration of the call (``with GraphedForward(model, cache):``); the
+    output of a replayed step has the type and cache field of the model's own output, with last-token logits."""
+
+    _PASSED_THROUGH = ("inputs_embeds", "labels", "output_attentions", "output_hidden_states")
+
+    def __init__(self, model, cache):
+        self.model = model
+        self.cache = cache
+        self.keyword = _cache_keyword(model)
+        self.graph = DecodeGraph(model, cache)
+        self.output_type = None
+        self.steps = 0  # decode steps that went through the graph (the first one runs eagerly inside it)
+        self._inside = False  # the graph's own eager step and capture call the model: those run the original
+
+    def __enter__(self):
+        self.previous = self.model.__dict__.get("forward")
+        self.original = self.model.forward
+        self.model.forward = self
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is None:
+            del self.model.__dict__["forward"]
+        else:
+            self.model.forward = self.previous
+        return False
+
+    @property
+    def __signature__(self):  # generate inspects the forward's parameters
+        return inspect.signature(self.original)
+
+    def _is_decode_step(self, args, kwargs) -> bool:
+        ids = kwargs.get("input_ids")
+        return (
+            not args and kwargs.get(self.keyword) is self.cache and ids is not None and ids.dim() == 2
+            and ids.shape[1] == 1 and not any(kwargs.get(k) for k in self._PASSED_THROUGH if k != "inputs_embeds")
+            and kwargs.get("inputs_embeds") is None and kwargs.get("use_cache", True) is not False
+            and self.output_type is not None
+        )
+
+    def _positions(self, kwargs, batch):
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None and position_ids.shape == (batch, 1):
+            return position_ids
+        paged = self.graph._paged_layers()
+        if paged:  # unpadded batch: the new token's position is the number of cached tokens
+            return paged[0].seq_lens.view(batch, 1).long()
+        return torch.full((batch, 1), self.cache.get_seq_length(), device=self.graph.device, dtype=torch.long)
+
+    def __call__(self, *args, **kwargs):
+        if self._inside or not self._is_decode_step(args, kwargs):
+            out = self.original(*args, **kwargs)
+            if self.output_type is None and hasattr(out, "logits"):
+                self.output_type = type(out)
+            return out
+        ids = kwargs["input_ids"]
+        self._inside = True
+        try:
+            logits = self.graph(ids, self._positions(kwargs, ids.shape[0]))
+        finally:
+            self._inside = False
+        self.steps += 1
+        fields = getattr(self.output_type, "__dataclass_fields__", {})
+        cache_field = "cache" if "cache" in fields else "past_key_values"
+        return self.output_type(logits=logits.unsqueeze(1), **{cache_field: self.cache})
+
+
+def graphed_generate_plan(model, args, kwargs):
+    """``(batch, max_seq_len)`` when this ``generate`` call can replay its decode steps from a CUDA graph over a
+    static paged cache, else None: CUDA, no cache or cache implementation asked for, one beam, no assistant,
+    an unpadded batch of input ids and enough new tokens to repay the capture."""
+    device = model.get_input_embeddings().weight.device
+    if device.type != "cuda" or not cuda_graphs_wanted() or torch.cuda.is_current_stream_capturing():
+        return None
+    return generate_shape(model, args, kwargs)
+
+
+def generate_shape(model, args, kwargs):
+    """The device-independent part of :func:`graphed_generate_plan`."""
+    config = kwargs.get("generation_config") or model.generation_config
+
+    def setting(name, default=None):
+        return kwargs.get(name, getattr(config, name, default))
+
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or kwargs.get("inputs_embeds") is not None:
+        return None
+    if (setting("num_beams", 1) or 1) != 1 or kwargs.get("assistant_model") is not None \
+            or setting("prompt_lookup_num_tokens") or kwargs.get("synced_gpus"):
+        return None
+    if setting("use_cache", True) is False or setting("cache_implementation") is not None:
+        return None
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        return None  # padded rows take the masked path
+    new_tokens = setting("max_new_tokens")
+    if new_tokens is None:
+        max_length = setting("max_length")
+        new_tokens = None if max_length is None else max_length - ids.shape[1]
+    if new_tokens is None or new_tokens < GENERATE_MIN_NEW_TOKENS:
+        return None
+    batch = ids.shape[0] * (setting("num_return_sequences", 1) or 1)
+    return batch, ids.shape[1] + new_tokens + 1

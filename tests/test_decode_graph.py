@@ -103,3 +103,37 @@ def test_capture_needs_cuda():
     cache = PagedLatentCache(fused, static=True, max_seq_len=8, max_cache_tokens=64)
     with pytest.raises(ValueError, match="CUDA"):
         DecodeGraph(fused, cache, capture=True)
+
+
+def test_generate_replays_decode_steps_through_the_graphed_forward():
+    """What a fused model's generate() does on CUDA, run eagerly: the prefill goes to the model's forward, every
+    decode step through the DecodeGraph, and the tokens equal native generate's; the forward is restored."""
+    from mla_fuser.decode_graph import GraphedForward
+
+    native, fused = _fused_pair()
+    ids = _prompt(length=6)
+    cache = PagedLatentCache.static_for(fused, 2, 6 + 13, page_size=4)
+    with GraphedForward(fused, cache) as graphed:
+        out = fused.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=12,
+                             do_sample=False)
+    assert graphed.steps == 11
+    assert "forward" not in fused.__dict__
+    assert torch.equal(out, native.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                            do_sample=False))
+
+
+def test_generate_shape_only_for_unpadded_single_beam_calls():
+    from mla_fuser.decode_graph import generate_shape, graphed_generate_plan
+
+    _, fused = _fused_pair()
+    ids = _prompt(length=6)
+    ones = torch.ones_like(ids)
+    assert generate_shape(fused, (ids,), dict(attention_mask=ones, max_new_tokens=20)) == (2, 27)
+    assert generate_shape(fused, (), dict(input_ids=ids, max_new_tokens=9, num_return_sequences=2)) == (4, 16)
+    padded = ones.clone()
+    padded[0, 0] = 0
+    assert generate_shape(fused, (ids,), dict(attention_mask=padded, max_new_tokens=20)) is None
+    assert generate_shape(fused, (ids,), dict(max_new_tokens=20, num_beams=2)) is None
+    assert generate_shape(fused, (ids,), dict(max_new_tokens=3)) is None
+    assert generate_shape(fused, (ids,), dict(max_new_tokens=20, cache_implementation="static")) is None
+    assert graphed_generate_plan(fused, (ids,), dict(max_new_tokens=20)) is None  # CPU: no graphs
