@@ -259,7 +259,11 @@ class GraphedForward:
         paged = self.graph._paged_layers()
         if paged:  # unpadded batch: the new token's position is the number of cached tokens
             return paged[0].seq_lens.view(batch, 1).long()
-        return torch.full((batch, 1), self.cache.get_seq_length(), device=self.graph.device, dtype=torch.long)
+        try:
+            seen = self.cache.get_seq_length()
+        except ValueError:  # only state (Mamba) layers: nothing positional is cached, and nothing reads positions
+            seen = 0
+        return torch.full((batch, 1), seen, device=self.graph.device, dtype=torch.long)
 
     def __call__(self, *args, **kwargs):
         if self._inside or not self._is_decode_step(args, kwargs):
@@ -315,3 +319,37 @@ def generate_shape(model, args, kwargs):
         return None
     batch = ids.shape[0] * (setting("num_return_sequences", 1) or 1)
     return batch, ids.shape[1] + new_tokens + 1
+
+
+def install_graphed_generate(model) -> bool:
+    """Give ``model.generate`` graphed decode steps when its cache only holds fixed-size states (a fused Mamba
+    model: Transformers' linear-attention cache layers), bound to this instance only.  Fused MLA models get the
+    same through ``cache.install_auto_paged_cache``.  False when the model's default cache has other layers."""
+    import types
+
+    from transformers import DynamicCache
+
+    if getattr(model, "_mla_fuser_auto_cache", False) or not hasattr(model, "generate"):
+        return False
+    try:
+        probe = DynamicCache(config=model.config)
+        DecodeGraph(model, probe, capture=False)
+    except (ValueError, TypeError):
+        return False
+    generate = type(model).generate
+    keyword = _cache_keyword(model)
+
+    def generate_with_graphs(self, *args, **kwargs):
+        wants_default = kwargs.get("cache") is None and kwargs.get("past_key_values") is None
+        if not wants_default or graphed_generate_plan(self, args, kwargs) is None:
+            return generate(self, *args, **kwargs)
+        cache = DynamicCache(config=self.config)
+        kwargs[keyword] = cache
+        with GraphedForward(self, cache) as graphed:
+            out = generate(self, *args, **kwargs)
+        object.__setattr__(self, "_mla_fuser_graphed_steps", graphed.steps)  # diagnostics: steps replayed
+        return out
+
+    model.generate = types.MethodType(generate_with_graphs, model)
+    object.__setattr__(model, "_mla_fuser_auto_cache", True)
+    return True

@@ -50,7 +50,7 @@ def _block_fusers() -> list:
     import importlib
 
     found = []
-    for module_name, class_name in (("moe", "MoEFuser"), ("mamba", "MambaFuser")):
+    for module_name, class_name in (("moe", "MoEFuser"), ("mamba", "MambaFuser"), ("norm", "NormFuser")):
         try:
             module = importlib.import_module(f"{__package__}.fusers.{module_name}")
         except ModuleNotFoundError as exc:
@@ -199,6 +199,11 @@ def fuse(model: nn.Module) -> FusionReport:
 
         if install_auto_paged_cache(model):
             report.notes.append("generate() uses a paged latent cache unless another cache is requested")
+    if report.fused("mamba") and not report.fused("mla") and hasattr(model, "generate"):
+        from .decode_graph import install_graphed_generate
+
+        if install_graphed_generate(model):
+            report.notes.append("generate() replays decode steps from a CUDA graph on CUDA (states only cache)")
     _attach(model, report)
     object.__setattr__(model, "_mla_fuser_done", True)
     return report

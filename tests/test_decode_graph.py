@@ -137,3 +137,21 @@ def test_generate_shape_only_for_unpadded_single_beam_calls():
     assert generate_shape(fused, (ids,), dict(max_new_tokens=3)) is None
     assert generate_shape(fused, (ids,), dict(max_new_tokens=20, cache_implementation="static")) is None
     assert graphed_generate_plan(fused, (ids,), dict(max_new_tokens=20)) is None  # CPU: no graphs
+
+
+def test_mamba_generate_through_the_graphed_forward_equals_native():
+    from mla_fuser.decode_graph import GraphedForward, install_graphed_generate
+
+    native = make_model("mamba2")
+    fused = make_model("mamba2")
+    mla_fuser.fuse(fused)
+    ids = _prompt(length=9, vocab=native.config.vocab_size)
+    cache = DynamicCache(config=fused.config)
+    with GraphedForward(fused, cache) as graphed:
+        out = fused.generate(ids, cache=cache, max_new_tokens=10, do_sample=False)
+    assert graphed.steps == 9
+    assert torch.equal(out, native.generate(ids, max_new_tokens=10, do_sample=False))
+    # the fused Mamba model's generate is the graphed one (graphs only on CUDA; here it runs as before)
+    assert getattr(fused, "_mla_fuser_auto_cache", False)
+    assert not install_graphed_generate(fused)  # installed once
+    assert torch.equal(fused.generate(ids, max_new_tokens=10, do_sample=False), out)

@@ -222,3 +222,16 @@ def test_mamba_bf16_error_vs_fp32_like_native(arch):
     err_fused = _rel(ref, fused(input_ids=ids).logits)
     RESULTS[f"{arch}_bf16_prefill_rel_err_vs_fp32"] = {"native": err_native, "fused": err_fused}
     assert err_fused <= 1.5 * err_native + 1e-2
+
+
+@torch.no_grad()
+def test_mamba2_generate_replays_decode_steps():
+    model = _mamba("mamba2", torch.bfloat16)
+    native = _mamba("mamba2", torch.bfloat16)
+    native.load_state_dict(model.state_dict())
+    mla_fuser.fuse(model)
+    ids = torch.randint(3, 1024, (2, 64), generator=torch.Generator().manual_seed(3)).cuda()
+    out = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert model._mla_fuser_graphed_steps == 15
+    ref = native.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    RESULTS["mamba2_generate_graphed_token_agreement"] = float((out == ref).float().mean())

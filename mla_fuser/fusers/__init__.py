@@ -4,6 +4,7 @@ from .base import Fuser, FusionReport, FusionRow
 from .mamba import MambaFuser, MambaMatch
 from .mla import MLAFuser, MLAMatch
 from .moe import MoEFuser, MoEMatch
+from .norm import NormFuser, NormMatch
 
 __all__ = ["Fuser", "FusionReport", "FusionRow", "MLAFuser", "MLAMatch", "MambaFuser", "MambaMatch", "MoEFuser",
-           "MoEMatch"]
+           "MoEMatch", "NormFuser", "NormMatch"]
