@@ -204,6 +204,11 @@ def fuse(model: nn.Module) -> FusionReport:
 
         if install_graphed_generate(model):
             report.notes.append("generate() replays decode steps from a CUDA graph on CUDA (states only cache)")
+    if report.fused("moe"):
+        from .fusers.moe import install_generate_keeping_fused_experts
+
+        if install_generate_keeping_fused_experts(model):
+            report.notes.append("generate() keeps the fused experts for its decode steps (no batched_mm swap)")
     _attach(model, report)
     object.__setattr__(model, "_mla_fuser_done", True)
     return report

@@ -1,6 +1,9 @@
 """MoE fuser: structural matching on toy blocks with arbitrary names, declines, and fused == native on tiny
 DeepSeek-V2/V3, Mixtral, Qwen3-MoE and Qwen2-MoE models (plus the Triton kernels under the interpreter)."""
 
+import contextlib
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -489,3 +492,42 @@ def test_triton_kernels_under_the_interpreter(monkeypatch):
         assert MoEFuser.apply(block, match, "blk").status == "fused"
         assert _rel(ref, block(x)) <= 1e-4
     assert len(launched) >= 3
+
+
+def test_generate_decode_swap_keeps_the_fused_experts():
+    """Transformers' generate switches grouped_mm to batched_mm for its decode steps; a fused model keeps its
+    kernel there (a user's own choice made before the call still wins)."""
+    from mla_fuser.fusers.moe import keep_fused_experts
+
+    model = _model("mixtral")
+    mla_fuser.fuse(model)
+    experts = model.model.layers[0].mlp.experts
+    with keep_fused_experts(model):
+        model.set_experts_implementation("batched_mm")  # what _optimize_model_for_decode does
+        assert experts.config._experts_implementation == IMPL_NAME
+        model.set_experts_implementation("grouped_mm")
+    model.set_experts_implementation("batched_mm")  # the user's choice, outside generate
+    with keep_fused_experts(model):
+        assert experts.config._experts_implementation == "batched_mm"
+    model.set_experts_implementation("grouped_mm")
+    seen = []
+    original = type(experts).forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.config._experts_implementation)
+        return original(self, *args, **kwargs)
+
+    experts.forward = types.MethodType(spy, experts)
+
+    @contextlib.contextmanager
+    def swap_like_on_a_gpu(self):  # Transformers only swaps off CPU; do here what it does there
+        self.set_experts_implementation("batched_mm")
+        try:
+            yield
+        finally:
+            self.set_experts_implementation("grouped_mm")
+
+    model._optimize_model_for_decode = types.MethodType(swap_like_on_a_gpu, model)
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert len(seen) == 4 and set(seen) == {IMPL_NAME}

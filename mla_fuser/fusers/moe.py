@@ -44,6 +44,8 @@ The kernel backend follows ``MLA_FUSER_BACKEND`` (``kernels.dispatch``), read at
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import operator
 import types
@@ -1242,10 +1244,52 @@ class _ExpertsConfigView:
     @property
     def _experts_implementation(self):
         current = getattr(self._base, "_experts_implementation", None)
-        return IMPL_NAME if current == self._fused_over else current
+        if current == self._fused_over:
+            return IMPL_NAME
+        if current == "batched_mm" and self._fused_over == "grouped_mm" and id(self._base) in _DECODE_SWAP_KEPT.get():
+            return IMPL_NAME  # generate()'s own decode-time swap, not a choice of the user (see keep_fused_experts)
+        return current
 
     def __repr__(self):
         return f"_ExpertsConfigView({IMPL_NAME!r} over {self._fused_over!r} of {type(self._base).__name__})"
+
+
+# Configs (by id) whose ``grouped_mm`` -> ``batched_mm`` switch is Transformers' ``generate`` swapping implementations
+# for its decode steps (``_optimize_model_for_decode``) rather than a user's choice: fused experts stay fused there.
+_DECODE_SWAP_KEPT: contextvars.ContextVar[frozenset] = contextvars.ContextVar("mla_fuser_decode_swap", default=frozenset())
+
+
+@contextlib.contextmanager
+def keep_fused_experts(model: nn.Module):
+    """Within the block, ``generate``'s decode-time switch from ``grouped_mm`` to ``batched_mm`` leaves this model's
+    fused experts on the ``"mla_fuser"`` kernel (it would otherwise replace them with ``batched_mm`` for every
+    decode step).  A model whose user chose another implementation before the call keeps that choice."""
+    configs = {id(m.config._base) for m in model.modules()
+               if isinstance(getattr(m, "config", None), _ExpertsConfigView)
+               and getattr(m.config._base, "_experts_implementation", None) == m.config._fused_over == "grouped_mm"}
+    token = _DECODE_SWAP_KEPT.set(_DECODE_SWAP_KEPT.get() | configs)
+    try:
+        yield
+    finally:
+        _DECODE_SWAP_KEPT.reset(token)
+
+
+def install_generate_keeping_fused_experts(model: nn.Module) -> bool:
+    """Wrap this instance's ``generate`` (whatever it is now: Transformers' or one of ours) in
+    :func:`keep_fused_experts`.  False when the model has no generate or no experts switched by the fuser."""
+    if not hasattr(model, "generate") or getattr(model, "_mla_fuser_keeps_experts", False):
+        return False
+    if not any(isinstance(getattr(m, "config", None), _ExpertsConfigView) for m in model.modules()):
+        return False
+    inner = model.generate
+
+    def generate_keeping_fused_experts(self, *args, **kwargs):
+        with keep_fused_experts(self):
+            return inner(*args, **kwargs)
+
+    model.generate = types.MethodType(generate_keeping_fused_experts, model)
+    object.__setattr__(model, "_mla_fuser_keeps_experts", True)
+    return True
 
 
 _ACTIVATION_ATTR = "_mla_fuser_activation"
