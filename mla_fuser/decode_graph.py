@@ -29,6 +29,7 @@ import inspect
 import torch
 
 from .cache import CachePoolExhausted, PagedLatentCache, PagedLatentLayer
+from .kernels.dispatch import graph_warmup
 
 
 def _cache_keyword(model) -> str:
@@ -177,7 +178,7 @@ class DecodeGraph:
             self._positions = torch.zeros_like(position_ids, device=self.device, dtype=torch.long)
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), graph_warmup():
                 logits = self._forward(input_ids.to(self.device), position_ids.to(self.device)).clone()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             return logits
@@ -347,7 +348,8 @@ def install_graphed_generate(model) -> bool:
         kwargs[keyword] = cache
         with GraphedForward(self, cache) as graphed:
             out = generate(self, *args, **kwargs)
-        object.__setattr__(self, "_mla_fuser_graphed_steps", graphed.steps)  # diagnostics: steps replayed
+        object.__setattr__(self, "_mla_fuser_graphed_steps", graphed.steps)  # diagnostics: steps replayed ...
+        object.__setattr__(self, "_mla_fuser_graph_captures", graphed.graph.captures)  # ... and captures
         return out
 
     model.generate = types.MethodType(generate_with_graphs, model)

@@ -275,3 +275,23 @@ def test_triton_backend_passes_the_check(monkeypatch, dtype, cls):
     x = _inputs(100, dtype).to(device)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), native(x), rtol=1e-3 if dtype == torch.float16 else 1e-5, atol=1e-3)
+
+
+def test_eager_few_rows_run_the_original_and_launch_free_contexts_the_kernel(monkeypatch):
+    """On CUDA an eager call with few rows runs the module's own ops (a kernel launch costs more host time);
+    captured / warm-up / compiled calls run the kernel.  Checked through the decision itself (no GPU here)."""
+    import mla_fuser.fusers.norm as nf
+    from mla_fuser.kernels.dispatch import graph_warmup, launches_are_free
+
+    class FakeCuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    few = torch.zeros(3, 64).as_subclass(FakeCuda)
+    many = torch.zeros(nf.EAGER_MIN_ROWS, 64).as_subclass(FakeCuda)
+    assert not launches_are_free()
+    assert not nf._pays(few) and nf._pays(many)
+    with graph_warmup():
+        assert launches_are_free() and nf._pays(few)
+    assert nf._pays(torch.zeros(3, 64))  # CPU: the kernel's torch twin, no launch cost question

@@ -106,3 +106,28 @@ def on_tensor_device(launcher):
             return launcher(*args, **kwargs)
 
     return launch
+
+
+_GRAPH_WARMUP = __import__("contextvars").ContextVar("mla_fuser_graph_warmup", default=False)
+
+
+class graph_warmup:
+    """Context for the eager step that precedes a CUDA-graph capture: code that picks kernels by whether launches
+    are free (:func:`launches_are_free`) picks what the capture will, so every kernel it uses is compiled before
+    capturing starts."""
+
+    def __enter__(self):
+        self._token = _GRAPH_WARMUP.set(True)
+        return self
+
+    def __exit__(self, *exc):
+        _GRAPH_WARMUP.reset(self._token)
+        return False
+
+
+def launches_are_free() -> bool:
+    """True while a CUDA graph is captured (or its warm-up step runs) or torch.compile traces: kernel launches cost
+    no host time at replay, so fewer, fused kernels always pay."""
+    if _GRAPH_WARMUP.get() or torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
