@@ -132,6 +132,7 @@ class PagedLatentLayer(CacheLayerMixin):
         self.pool: PagePool | None = None
         self.host_tables: list[list[int]] = []
         self.host_lens: list[int] = []
+        self.tables: torch.Tensor | None = None  # int32 [B * max_pages + B]: the two views below
         self.block_table: torch.Tensor | None = None  # int32 [B, max_pages]
         self.seq_lens: torch.Tensor | None = None  # int32 [B]
         self.rank = None
@@ -151,20 +152,21 @@ class PagedLatentLayer(CacheLayerMixin):
             raise ValueError(f"paged latent cache holds {len(self.host_tables)} sequences, got a batch of {batch}")
         self.host_tables = [[] for _ in range(batch)]
         self.host_lens = [0] * batch
-        self._sync_tables()
-        if self.cache.static:
-            self._reserve([self.cache.max_seq_len] * batch)
+        if not (self.cache.static and self._reserve([self.cache.max_seq_len] * batch)):
+            self._sync_tables()  # (a reservation that moved pages already did)
 
     def _sync_tables(self) -> None:
+        """Upload the host block tables and lengths: one buffer ``[block table (B x W) | lengths (B)]``, one copy;
+        ``block_table`` and ``seq_lens`` are views of it (the same addresses while the shape holds)."""
+        batch = len(self.host_tables)
         width = max([len(t) for t in self.host_tables] + [1])
         if self.cache.static:
             width = max(width, math.ceil(self.cache.max_seq_len / self.pool.page_size))
-        table = torch.zeros(len(self.host_tables), width, dtype=torch.int32)
-        for b, pages in enumerate(self.host_tables):
-            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        lens = torch.tensor(self.host_lens, dtype=torch.int32)
-        self.block_table = _upload(table, self.device, self.block_table)
-        self.seq_lens = _upload(lens, self.device, self.seq_lens)
+        rows = [pages + [0] * (width - len(pages)) for pages in self.host_tables]
+        host = torch.tensor([v for row in rows for v in row] + list(self.host_lens), dtype=torch.int32)
+        self.tables = _upload(host, self.device, self.tables)
+        self.block_table = self.tables[: batch * width].view(batch, width)
+        self.seq_lens = self.tables[batch * width:]
 
     def _reserve(self, target_lens: list[int]) -> bool:
         """Make every sequence hold pages for ``target_lens`` tokens; all-or-nothing.  True if pages moved."""
@@ -241,7 +243,7 @@ class PagedLatentLayer(CacheLayerMixin):
             for t in self.host_tables:
                 self.pool.release(t)
         self.host_tables, self.host_lens = [], []
-        self.block_table = self.seq_lens = None
+        self.tables = self.block_table = self.seq_lens = None
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -443,7 +445,8 @@ def install_auto_paged_cache(model) -> bool:
         kwargs[keyword] = cache
         with GraphedForward(self, cache) as graphed:
             out = generate(self, *args, **kwargs)
-        object.__setattr__(self, "_mla_fuser_graphed_steps", graphed.steps)  # diagnostics: steps replayed
+        object.__setattr__(self, "_mla_fuser_graphed_steps", graphed.steps)  # diagnostics: steps replayed ...
+        object.__setattr__(self, "_mla_fuser_graph_captures", graphed.graph.captures)  # ... and captures
         return out
 
     model.generate = types.MethodType(generate_with_paged_cache, model)
