@@ -113,10 +113,20 @@ def _generate_run(model, ids, steps, warm_tokens=8):
     """Transformers' own ``generate`` (greedy): ms/step from two calls that differ by ``steps`` new tokens, so the
     prefill (and, for a fused model on CUDA, the eager first step and the capture of the graphed decode) cancel.
     Returns (prefill_s, s/step, tokens of the longer call, (None, decode peak bytes over weights))."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
     device = ids.device
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False)
+    stamps = []
+
+    class Stamp(LogitsProcessor):  # generate syncs on every step (its stop check), so these are step times
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, logits_processor=LogitsProcessorList([Stamp()]))
 
     def timed(n):
+        stamps.clear()
         _sync(device)
         t0 = time.perf_counter()
         out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
@@ -131,11 +141,13 @@ def _generate_run(model, ids, steps, warm_tokens=8):
         base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         long, out = timed(warm_tokens + steps)
         peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else None
+        gaps = sorted(b - a for a, b in zip(stamps[3:], stamps[4:]))  # steady steps (after warm-up and capture)
+        median_step = gaps[len(gaps) // 2] if gaps else None
         t0 = time.perf_counter()
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
         _sync(device)
         prefill = time.perf_counter() - t0
-    return prefill, (long - short) / steps, out[:, ids.shape[1]:], (None, peak)
+    return prefill, (long - short) / steps, out[:, ids.shape[1]:], (None, peak), median_step
 
 
 def run_model_bench(args) -> dict:
@@ -167,8 +179,12 @@ def run_model_bench(args) -> dict:
         # warm-up on the same shapes, so one-time costs (Triton compiles per kernel variant) are not timed
         compiled = dict(compile_mode=args.compile_mode, compile_backend=args.compile_backend)
         graphed = dict(compiled, cuda_graph=getattr(args, "cuda_graph", False))
+        medians = {}
         if getattr(args, "generate", False):
-            run = lambda model: _generate_run(model, ids, args.steps)  # noqa: E731
+            def run(model):
+                *measured, median = _generate_run(model, ids, args.steps)
+                medians[model] = median
+                return measured
         else:
             def run(model):
                 _decode_run(model, ids, 2, **graphed)
@@ -176,6 +192,7 @@ def run_model_bench(args) -> dict:
         prefill, step, tokens, peak = run(fused)
         if getattr(args, "generate", False):
             row["fused_graphed_steps"] = getattr(fused, "_mla_fuser_graphed_steps", 0)
+            row["fused_graph_captures"] = getattr(fused, "_mla_fuser_graph_captures", 0)
         row["fused"] = {"prefill_s": prefill, "ms_per_step": step * 1e3, "tok_per_s": batch / step,
                         "prefill_peak_over_weights_bytes": peak[0], "decode_peak_over_weights_bytes": peak[1]}
         if native is not None:
@@ -193,6 +210,9 @@ def run_model_bench(args) -> dict:
             diverged = (tokens != n_tokens).any(0).nonzero()
             row["greedy_first_divergence"] = int(diverged[0]) if len(diverged) else None
             row["speedup"] = n_step / step
+        if medians:
+            row["median_step_ms"] = {name: medians[m] * 1e3 for name, m in (("fused", fused), ("native", native))
+                                     if medians.get(m) is not None}
         result["runs"].append(row)
         print(row, flush=True)
     if getattr(args, "plot", None):
