@@ -132,6 +132,7 @@ class PagedLatentLayer(CacheLayerMixin):
         self.pool: PagePool | None = None
         self.host_tables: list[list[int]] = []
         self.host_lens: list[int] = []
+        self._nan_rows = None  # the stand-ins' rows (see _stand_ins)
         self.tables: torch.Tensor | None = None  # int32 [B * max_pages + B]: the two views below
         self.block_table: torch.Tensor | None = None  # int32 [B, max_pages]
         self.seq_lens: torch.Tensor | None = None  # int32 [B]
@@ -198,27 +199,29 @@ class PagedLatentLayer(CacheLayerMixin):
             raise RuntimeError("paged latent cache: sequences of one batch must advance together")
         target = [n + new for n in self.host_lens]
         self._reserve(target)
-        page = self.pool.page_size
-        positions = self.seq_lens.view(-1, 1).long() + torch.arange(new, device=self.device).view(1, -1)
-        page_ids = self.block_table.long().gather(1, positions // page)
-        slots = (page_ids * page + positions % page).view(-1)
         from .attention_interfaces.paged import on_device
-        from .kernels.paged_cache_ops import paged_write
+        from .kernels.paged_cache_ops import paged_append
 
         dtype = self.pool.pages.dtype
         with on_device(self.pool.pages):  # the layer's device (device_map splits), not the current one
-            paged_write(self.pool.pages, slots, key_states[:, 0].reshape(-1, key_states.shape[-1]).to(dtype),
-                        value_states[:, 0].reshape(-1, value_states.shape[-1]).to(dtype))
+            # destinations from the block table and the lengths, in the kernel: one launch, no index arithmetic
+            paged_append(self.pool.pages, self.block_table, self.seq_lens, key_states[:, 0].to(dtype),
+                         value_states[:, 0].to(dtype))
         self.seq_lens += new
         self.host_lens = target
         return self._stand_ins(key_states, value_states, target[0] if target else 0)
 
     def _stand_ins(self, key_states, value_states, total):
         # stride-0 views of one NaN row: no memory, the right shape for code that asks for sizes, and loud
-        # (NaN outputs) rather than silently wrong if anything but the vllm_mla function computes with them
-        fill = float("nan") if key_states.is_floating_point() else 0
-        kv = key_states.new_full((1, 1, 1, key_states.shape[-1]), fill).expand(key_states.shape[0], 1, total, -1)
-        pe = value_states.new_full((1, 1, 1, value_states.shape[-1]), fill).expand(value_states.shape[0], 1, total, -1)
+        # (NaN outputs) rather than silently wrong if anything but the vllm_mla function computes with them.
+        # The rows are made once per layer (nothing ever writes to them), not at every step.
+        rows = self._nan_rows
+        if rows is None or rows[0].dtype != key_states.dtype or rows[0].device != key_states.device:
+            fill = float("nan") if key_states.is_floating_point() else 0
+            rows = self._nan_rows = (key_states.new_full((1, 1, 1, key_states.shape[-1]), fill),
+                                     value_states.new_full((1, 1, 1, value_states.shape[-1]), fill))
+        kv = rows[0].expand(key_states.shape[0], 1, total, -1)
+        pe = rows[1].expand(value_states.shape[0], 1, total, -1)
         setattr(kv, PAGED_ATTR, PagedView(self, key_states, value_states))
         return kv, pe
 

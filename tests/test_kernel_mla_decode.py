@@ -284,6 +284,28 @@ def test_paged_write_triton_vs_ref(interp, rope, slot_dtype, dtype):
             assert torch.equal(kv[s[i] // ps, s[i] % ps], torch.cat([kv_c[i], k_pe[i]]))
 
 
+@pytest.mark.parametrize("rope", [8, 0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new", [1, 5])
+def test_paged_append_triton_vs_ref(interp, rope, dtype, new):
+    """Slots from the block table and the lengths (ragged, crossing page boundaries), strided step inputs."""
+    g = _seed(22)
+    P, ps, r, B = 10, 4, 32, 3
+    kv = torch.randn(P, ps, r + rope, generator=g).to(dtype)
+    kv_ref = kv.clone()
+    table = torch.randperm(P, generator=g)[: B * 3].view(B, 3).to(torch.int32)
+    lens = torch.tensor([0, 3, 6], dtype=torch.int32)  # 6 + 5 = 11 <= 3 pages of 4
+    rows = torch.randn(B, new, 1, r + rope + 3, generator=g).to(dtype)[:, :, 0]  # non-contiguous step
+    kv_c, k_pe = rows[..., :r], rows[..., r:r + rope]
+    pco.paged_append(kv, table, lens, kv_c, k_pe)
+    pco.paged_append_ref(kv_ref, table, lens, kv_c, k_pe)
+    assert torch.equal(kv, kv_ref)
+    for b in range(B):  # the rows landed where the block table says
+        for t in range(new):
+            pos = int(lens[b]) + t
+            assert torch.equal(kv[table[b, pos // ps], pos % ps], torch.cat([kv_c[b, t], k_pe[b, t]]))
+
+
 def test_paged_write_then_decode_roundtrip(interp):
     """Fill a shuffled cache token by token with paged_write, gather it back, decode from it."""
     g = _seed(21)

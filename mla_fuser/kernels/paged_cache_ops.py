@@ -21,7 +21,8 @@ import torch
 from .dispatch import triton_available, use_triton
 from .mla_decode import _LazyJit  # triton.jit deferred to first launch (interpreter flag read then)
 
-__all__ = ["paged_write", "paged_write_ref", "paged_write_triton", "paged_gather_ref"]
+__all__ = ["paged_append", "paged_append_ref", "paged_append_triton", "paged_write", "paged_write_ref",
+           "paged_write_triton", "paged_gather_ref"]
 
 
 def paged_write_ref(kv_pages, slot_mapping, kv_c, k_pe) -> None:
@@ -167,3 +168,124 @@ def paged_write(kv_pages, slot_mapping, kv_c, k_pe) -> None:
         _paged_write_impl(kv_pages, slot_mapping, kv_c, k_pe)  # eager: skip the dispatcher's overhead
         return
     torch.ops.mla_fuser.paged_write(kv_pages, slot_mapping, kv_c, k_pe)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# appending a step: slots computed in the kernel from the block table and the lengths
+
+
+def paged_append_ref(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
+    """Torch reference of :func:`paged_append`: token ``t`` of sequence ``b`` goes to position
+    ``seq_lens[b] + t``, i.e. page ``block_table[b, pos // page_size]``, row ``pos % page_size``."""
+    batch, new = kv_c.shape[:2]
+    page_size = kv_pages.shape[1]
+    positions = seq_lens.view(-1, 1).long() + torch.arange(new, device=seq_lens.device).view(1, -1)
+    page_ids = block_table.long().gather(1, positions // page_size)
+    slots = (page_ids * page_size + positions % page_size).view(-1)
+    paged_write_ref(kv_pages, slots, kv_c.reshape(batch * new, -1),
+                    None if k_pe is None else k_pe.reshape(batch * new, -1))
+
+
+def _append_kernel(
+    KV,
+    TABLE,
+    LENS,
+    KV_C,
+    K_PE,
+    NEW,
+    V_DIM,
+    ROPE_DIM,
+    stride_kvp,
+    stride_kvt,
+    stride_tb,
+    stride_cb,
+    stride_cs,
+    stride_pb,
+    stride_ps,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // NEW
+    t = pid % NEW
+    pos = tl.load(LENS + b).to(tl.int64) + t
+    page = tl.load(TABLE + b.to(tl.int64) * stride_tb + pos // PAGE_SIZE).to(tl.int64)
+    dst = KV + page * stride_kvp + (pos % PAGE_SIZE) * stride_kvt
+    offs_v = tl.arange(0, BLOCK_V)
+    mv = offs_v < V_DIM
+    c = tl.load(KV_C + b.to(tl.int64) * stride_cb + t * stride_cs + offs_v, mask=mv)
+    tl.store(dst + offs_v, c.to(KV.dtype.element_ty), mask=mv)
+    if HAS_ROPE:
+        offs_r = tl.arange(0, BLOCK_R)
+        mr = offs_r < ROPE_DIM
+        pe = tl.load(K_PE + b.to(tl.int64) * stride_pb + t * stride_ps + offs_r, mask=mr)
+        tl.store(dst + V_DIM + offs_r, pe.to(KV.dtype.element_ty), mask=mr)
+
+
+_paged_append_kernel = _LazyJit(_append_kernel) if triton is not None else None
+
+
+def paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
+    """Triton path of :func:`paged_append` (no dispatch)."""
+    batch, new, v_dim = kv_c.shape
+    rope = 0 if k_pe is None else k_pe.shape[-1]
+    if v_dim + rope != kv_pages.shape[-1]:
+        raise ValueError(f"kv_c ({v_dim}) + k_pe ({rope}) columns != cache row width {kv_pages.shape[-1]}")
+    if block_table.shape[0] != batch or seq_lens.shape != (batch,):
+        raise ValueError("block_table must be [B, max_pages] and seq_lens [B] for kv_c [B, S, v]")
+    if batch * new == 0:
+        return
+    if kv_pages.stride(-1) != 1 or block_table.stride(-1) != 1:
+        raise ValueError("kv_pages rows and block-table rows must be unit-stride")
+    kv_c = kv_c if kv_c.stride(-1) == 1 else kv_c.contiguous()
+    if rope > 0:
+        k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
+    else:
+        k_pe = kv_c  # unused pointer
+    _paged_append_kernel[(batch * new,)](
+        kv_pages, block_table, seq_lens, kv_c, k_pe, new, v_dim, rope,
+        kv_pages.stride(0), kv_pages.stride(1), block_table.stride(0),
+        kv_c.stride(0), kv_c.stride(1), k_pe.stride(0), k_pe.stride(1),
+        PAGE_SIZE=kv_pages.shape[1], BLOCK_V=triton.next_power_of_2(v_dim),
+        BLOCK_R=triton.next_power_of_2(max(rope, 1)), HAS_ROPE=rope > 0,
+        num_warps=4 if v_dim + rope >= 256 else 1,
+    )  # fmt: skip
+
+
+def _paged_append_impl(kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                       kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+    if use_triton(kv_pages):
+        paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe)
+    else:
+        paged_append_ref(kv_pages, block_table, seq_lens, kv_c, k_pe)
+
+
+_paged_append_op = torch.library.custom_op("mla_fuser::paged_append", mutates_args=("kv_pages",))(_paged_append_impl)
+
+
+@_paged_append_op.register_fake
+def _paged_append_fake(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
+    return None
+
+
+def paged_append(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
+    """Append a step's latents to every sequence of a paged cache, in place.
+
+    Args:
+        kv_pages: ``[num_pages, page_size, D]`` cache, modified in place.
+        block_table: int32 ``[B, max_pages]``; seq_lens: int32 ``[B]``, the tokens each sequence holds *before*
+            this step (not updated here).
+        kv_c: ``[B, S, v_dim]``; k_pe: ``[B, S, rope]`` (or None): token ``t`` of sequence ``b`` is written at
+            position ``seq_lens[b] + t``.
+    Why: the destination slots come from device memory inside the kernel, so a step costs one launch and no
+    index arithmetic in torch (eight small launches per layer, a noticeable share of a captured decode step).
+    The pages covering the new positions must already be in the block table.
+    """
+    if k_pe is None:
+        k_pe = kv_c.new_empty((*kv_c.shape[:2], 0))
+    if type(kv_pages) is torch.Tensor and not torch.compiler.is_compiling():
+        _paged_append_impl(kv_pages, block_table, seq_lens, kv_c, k_pe)
+        return
+    torch.ops.mla_fuser.paged_append(kv_pages, block_table, seq_lens, kv_c, k_pe)
