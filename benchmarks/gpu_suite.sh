@@ -3,7 +3,7 @@
 # Usage on the GPU machine, from the repo root, with the libcst and transformers wheels carried in .whl/:
 #   bash benchmarks/gpu_suite.sh                 # every step; results under $OUT (or benchmarks/results/gpu_suite/)
 #   bash benchmarks/gpu_suite.sh tests graph     # only the named steps
-# Steps: tests kernel moe moe_layer ssm model graph generate profile mamba.  Each has its own time limit so one slow step cannot
+# Steps: tests kernel moe moe_layer ssm model graph generate profile host mamba.  Each has its own time limit so one slow step cannot
 # eat the others.
 set -u
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -15,7 +15,7 @@ fi
 export PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results/gpu_suite}
 mkdir -p "$out"
-steps=${*:-tests kernel moe moe_layer ssm model graph generate profile mamba}
+steps=${*:-tests kernel moe moe_layer ssm model graph generate profile host mamba}
 python3 -c "import torch, triton, transformers; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, transformers.__version__)"
 
 step() { local limit=$1; shift; echo "== $*"; timeout "$limit" "$@" 2>&1 | grep -v Warning | tail -25; }
@@ -33,6 +33,7 @@ want graph && step 180 python3 -m mla_fuser.cli bench --preset deepseek-v2-lite 
 want generate && step 240 python3 -m mla_fuser.cli bench --preset deepseek-v2-lite --device cuda --dtype bf16 \
            --shapes 1x512,16x4096,1x32768 --steps 32 --generate --out "$out/model_bench_generate.json"
 want profile && step 150 python3 benchmarks/profile_model.py --out "$out/profile_model.json"
+want host && step 120 python3 benchmarks/profile_host.py --out "$out/profile_host.txt"
 want mamba && step 120 python3 benchmarks/bench_mamba_generate.py --layers 8 --prompt 2048 --new-tokens 64 \
            --out "$out/mamba2_generate.json"
 ls -la "$out"
