@@ -400,10 +400,15 @@ def paged_layer_indices(model) -> list[int]:
     """Layer indices of the fused MLA modules of ``model`` (those get paged layers)."""
     from .fusers.mla import PLAN_ATTR
 
+    cached = model.__dict__.get("_mla_fuser_paged_layers")
+    if cached is not None:
+        return list(cached)
     found = set()
-    for module in model.modules():
+    for module in model.modules():  # a few thousand modules: a few ms, so remembered once fusion is done
         if getattr(module, PLAN_ATTR, None) is not None and isinstance(getattr(module, "layer_idx", None), int):
             found.add(module.layer_idx)
+    if getattr(model, "_mla_fuser_done", False):
+        object.__setattr__(model, "_mla_fuser_paged_layers", tuple(sorted(found)))
     return sorted(found)
 
 

@@ -42,6 +42,9 @@ def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m):
 
 
 def gathered_latent(view, rank: int):
-    """``(kv_c [B, 1, T, rank], k_pe [B, 1, T, rope])`` read back from the pages."""
+    """``(kv_c [B, 1, T, rank], k_pe [B, 1, T, rope])``: read back from the pages, or, when this call's tokens are
+    all the cache holds (a prompt's prefill), the call's own latent (no copy of what was just written)."""
+    if view.layer.get_seq_length() == view.query_len:
+        return view.new_kv_c, view.new_k_pe
     latent = view.gather()
     return latent[..., :rank].unsqueeze(1), latent[..., rank:].unsqueeze(1)
