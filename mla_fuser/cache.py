@@ -113,6 +113,11 @@ class PagedView:
     def seq_lens(self):
         return self.layer.seq_lens
 
+    @property
+    def starts(self):
+        """int32 ``[B]`` left-padding starts (tokens before them are not attended) or None."""
+        return self.layer.starts
+
     def gather(self) -> torch.Tensor:
         """The whole cached latent of every sequence, contiguous: ``[B, T, width]`` (prefill, torch paths)."""
         return self.layer.gather()
@@ -133,6 +138,7 @@ class PagedLatentLayer(CacheLayerMixin):
         self.host_tables: list[list[int]] = []
         self.host_lens: list[int] = []
         self._nan_rows = None  # the stand-ins' rows (see _stand_ins)
+        self.starts: torch.Tensor | None = None  # int32 [B]: left padding (PagedLatentCache.set_left_padding)
         self.tables: torch.Tensor | None = None  # int32 [B * max_pages + B]: the two views below
         self.block_table: torch.Tensor | None = None  # int32 [B, max_pages]
         self.seq_lens: torch.Tensor | None = None  # int32 [B]
@@ -155,6 +161,16 @@ class PagedLatentLayer(CacheLayerMixin):
         self.host_lens = [0] * batch
         if not (self.cache.static and self._reserve([self.cache.max_seq_len] * batch)):
             self._sync_tables()  # (a reservation that moved pages already did)
+        self._load_starts()
+
+    def _load_starts(self) -> None:
+        starts = self.cache.padding_starts
+        if starts is None or not self.host_tables:
+            self.starts = None
+            return
+        if starts.shape != (len(self.host_tables),):
+            raise ValueError(f"left-padding starts {tuple(starts.shape)} do not fit a batch of {len(self.host_tables)}")
+        self.starts = _upload(starts.to(torch.int32), self.device, self.starts)
 
     def _sync_tables(self) -> None:
         """Upload the host block tables and lengths: one buffer ``[block table (B x W) | lengths (B)]``, one copy;
@@ -246,7 +262,7 @@ class PagedLatentLayer(CacheLayerMixin):
             for t in self.host_tables:
                 self.pool.release(t)
         self.host_tables, self.host_lens = [], []
-        self.tables = self.block_table = self.seq_lens = None
+        self.tables = self.block_table = self.seq_lens = self.starts = None
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -300,6 +316,8 @@ class PagedLatentLayer(CacheLayerMixin):
         self.pool.pages.view(-1, self.pool.width).index_copy_(0, slots, data.reshape(-1, self.pool.width))
         self.host_lens = lens
         self._sync_tables()
+        if self.starts is not None:  # each sequence keeps its own padding
+            self.starts = self.starts[torch.as_tensor(source, device=self.device)]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.get_seq_length() > 0:
@@ -343,6 +361,7 @@ class PagedLatentCache(DynamicCache):
         if static and max_seq_len is None:
             raise ValueError("static=True needs max_seq_len")
         self.page_size = page_size
+        self.padding_starts: torch.Tensor | None = None  # see set_left_padding
         self.max_cache_tokens = max_cache_tokens
         self.memory_fraction = memory_fraction
         self.static = static
@@ -357,6 +376,15 @@ class PagedLatentCache(DynamicCache):
                 self.layers[idx] = PagedLatentLayer(self, idx)
             elif idx >= len(self.layers):
                 raise ValueError(f"layer {idx} is not a layer of this model's cache")
+
+    def set_left_padding(self, starts) -> None:
+        """Sequence ``b`` holds ``starts[b]`` padding tokens at its beginning: decode steps without an attention
+        mask (``DecodeGraph``, graphed ``generate``) attend from there on, in the decode kernel.  Set it before the
+        prefill (layers pick it up with the batch) or after (initialised layers are updated); None clears it."""
+        self.padding_starts = None if starts is None else torch.as_tensor(starts, dtype=torch.int32).cpu()
+        for layer in self.layers:
+            if isinstance(layer, PagedLatentLayer) and layer.is_initialized:
+                layer._load_starts()
 
     @classmethod
     def static_for(cls, model, batch: int, max_seq_len: int, page_size: int = 64) -> "PagedLatentCache":
@@ -448,8 +476,9 @@ def install_auto_paged_cache(model) -> bool:
         if plan is None:
             kwargs[keyword] = PagedLatentCache(self)
             return generate(self, *args, **kwargs)
-        batch, max_seq_len = plan  # decode steps replayed from a CUDA graph over a static cache of exactly this size
+        batch, max_seq_len, starts = plan  # decode steps replayed from a CUDA graph over a static cache this size
         cache = PagedLatentCache.static_for(self, batch, max_seq_len)
+        cache.set_left_padding(starts)  # left-padded rows: the decode kernel skips their padding
         kwargs[keyword] = cache
         with GraphedForward(self, cache) as graphed:
             out = generate(self, *args, **kwargs)

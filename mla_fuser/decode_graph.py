@@ -17,9 +17,10 @@ The host-side bookkeeping that the captured Python code did once (the paged laye
 after capture and advanced by one token after every replay.  Addresses are checked before each replay: if a cache
 moved its memory (a pool grew, a batch changed), the step is captured again, never replayed on stale addresses.
 
-Not capturable, refused with a clear error: caches with dynamic layers (Transformers' ``DynamicCache`` layers,
-a non-static paged cache), attention masks (left-padded batches take the masked path that gathers the latent;
-use ``generate`` for them), and prefill (run it eagerly before the first step).
+Steps take no attention mask: a left-padded batch is described to the cache once
+(``PagedLatentCache.set_left_padding``) and the decode kernel skips each row's padding.  Not capturable, refused
+with a clear error: caches with dynamic layers (Transformers' ``DynamicCache`` layers, a non-static paged cache)
+and prefill (run it eagerly before the first step).
 """
 
 from __future__ import annotations
@@ -258,8 +259,10 @@ class GraphedForward:
         if position_ids is not None and position_ids.shape == (batch, 1):
             return position_ids
         paged = self.graph._paged_layers()
-        if paged:  # unpadded batch: the new token's position is the number of cached tokens
-            return paged[0].seq_lens.view(batch, 1).long()
+        if paged:  # the new token's position: the cached tokens, less the row's left padding
+            position = paged[0].seq_lens.view(batch, 1).long()
+            starts = paged[0].starts
+            return position if starts is None else position - starts.view(batch, 1).long()
         try:
             seen = self.cache.get_seq_length()
         except ValueError:  # only state (Mamba) layers: nothing positional is cached, and nothing reads positions
@@ -285,9 +288,10 @@ class GraphedForward:
 
 
 def graphed_generate_plan(model, args, kwargs):
-    """``(batch, max_seq_len)`` when this ``generate`` call can replay its decode steps from a CUDA graph over a
-    static paged cache, else None: CUDA, no cache or cache implementation asked for, one beam, no assistant,
-    an unpadded batch of input ids and enough new tokens to repay the capture."""
+    """``(batch, max_seq_len, starts)`` when this ``generate`` call can replay its decode steps from a CUDA graph
+    over a static paged cache, else None: CUDA, no cache or cache implementation asked for, one beam, no
+    assistant, input ids unpadded or left-padded (``starts``: padding per row, or None) and enough new tokens to
+    repay the capture."""
     device = model.get_input_embeddings().weight.device
     if device.type != "cuda" or not cuda_graphs_wanted() or torch.cuda.is_current_stream_capturing():
         return None
@@ -310,16 +314,31 @@ def generate_shape(model, args, kwargs):
     if setting("use_cache", True) is False or setting("cache_implementation") is not None:
         return None
     mask = kwargs.get("attention_mask")
+    starts = None
     if mask is not None and not bool(mask.all()):
-        return None  # padded rows take the masked path
+        starts = _left_padding(mask)
+        if starts is None:
+            return None  # right or inner padding: the steps take the masked path
     new_tokens = setting("max_new_tokens")
     if new_tokens is None:
         max_length = setting("max_length")
         new_tokens = None if max_length is None else max_length - ids.shape[1]
     if new_tokens is None or new_tokens < GENERATE_MIN_NEW_TOKENS:
         return None
-    batch = ids.shape[0] * (setting("num_return_sequences", 1) or 1)
-    return batch, ids.shape[1] + new_tokens + 1
+    copies = setting("num_return_sequences", 1) or 1
+    if starts is not None:
+        starts = starts.repeat_interleave(copies)
+    return ids.shape[0] * copies, ids.shape[1] + new_tokens + 1, starts
+
+
+def _left_padding(mask: torch.Tensor) -> torch.Tensor | None:
+    """Per-row count of leading padding tokens of a 2-D 0/1 mask that is left padding, else None."""
+    if mask.dim() != 2:
+        return None
+    allowed = mask.bool()
+    starts = mask.shape[1] - allowed.sum(-1)
+    expected = torch.arange(mask.shape[1], device=mask.device).view(1, -1) >= starts.view(-1, 1)
+    return starts.to(torch.int32).cpu() if bool((allowed == expected).all()) else None
 
 
 def install_graphed_generate(model) -> bool:
@@ -343,7 +362,7 @@ def install_graphed_generate(model) -> bool:
     def generate_with_graphs(self, *args, **kwargs):
         wants_default = kwargs.get("cache") is None and kwargs.get("past_key_values") is None
         if not wants_default or graphed_generate_plan(self, args, kwargs) is None:
-            return generate(self, *args, **kwargs)
+            return generate(self, *args, **kwargs)  # (padding does not matter to a state-only decode step)
         cache = DynamicCache(config=self.config)
         kwargs[keyword] = cache
         with GraphedForward(self, cache) as graphed:

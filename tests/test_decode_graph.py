@@ -122,17 +122,39 @@ def test_generate_replays_decode_steps_through_the_graphed_forward():
                                             do_sample=False))
 
 
-def test_generate_shape_only_for_unpadded_single_beam_calls():
+def test_left_padded_generate_through_the_graphed_forward_equals_native():
+    """A left-padded batch: the cache carries the padding (set_left_padding), the graphed decode steps get no
+    mask and the decode kernel skips the padding; positions come from generate's own position ids."""
+    from mla_fuser.decode_graph import GraphedForward, _left_padding
+    from conftest import left_padded_prompts
+
+    native, fused = _fused_pair()
+    ids, mask = left_padded_prompts([3, 8, 5], seed=9)
+    cache = PagedLatentCache.static_for(fused, 3, 8 + 13, page_size=4)
+    cache.set_left_padding(_left_padding(mask))
+    with GraphedForward(fused, cache) as graphed:
+        out = fused.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=12, do_sample=False)
+    assert graphed.steps == 11
+    assert torch.equal(out, native.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
+    assert cache.layers[1].starts.tolist() == [5, 0, 3]
+
+
+def test_generate_shape_for_single_beam_unpadded_or_left_padded_calls():
     from mla_fuser.decode_graph import generate_shape, graphed_generate_plan
 
     _, fused = _fused_pair()
     ids = _prompt(length=6)
     ones = torch.ones_like(ids)
-    assert generate_shape(fused, (ids,), dict(attention_mask=ones, max_new_tokens=20)) == (2, 27)
-    assert generate_shape(fused, (), dict(input_ids=ids, max_new_tokens=9, num_return_sequences=2)) == (4, 16)
-    padded = ones.clone()
-    padded[0, 0] = 0
-    assert generate_shape(fused, (ids,), dict(attention_mask=padded, max_new_tokens=20)) is None
+    assert generate_shape(fused, (ids,), dict(attention_mask=ones, max_new_tokens=20)) == (2, 27, None)
+    assert generate_shape(fused, (), dict(input_ids=ids, max_new_tokens=9, num_return_sequences=2)) == (4, 16, None)
+    left = ones.clone()
+    left[0, :2] = 0
+    batch, length, starts = generate_shape(fused, (ids,), dict(attention_mask=left, max_new_tokens=20,
+                                                               num_return_sequences=2))
+    assert (batch, length, starts.tolist()) == (4, 27, [2, 2, 0, 0])
+    right = ones.clone()
+    right[1, -1] = 0
+    assert generate_shape(fused, (ids,), dict(attention_mask=right, max_new_tokens=20)) is None
     assert generate_shape(fused, (ids,), dict(max_new_tokens=20, num_beams=2)) is None
     assert generate_shape(fused, (ids,), dict(max_new_tokens=3)) is None
     assert generate_shape(fused, (ids,), dict(max_new_tokens=20, cache_implementation="static")) is None

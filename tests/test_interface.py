@@ -156,3 +156,44 @@ def test_few_tokens_over_long_prefix_stay_absorbed_and_exact(monkeypatch):
     ref = padded_attention(mod, q, key, value, mask, scaling=0.3)
     assert calls and torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
     assert vm._prefer_expanded(64, 64) and not vm._prefer_expanded(1, 4096) and not vm._prefer_expanded(4, 4096)
+
+
+def test_left_padding_starts_only_for_left_padding_masks():
+    from mla_fuser.attention_interfaces.vllm_mla import left_padding_starts
+
+    allowed = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.bool).view(3, 1, 1, 5)
+    assert left_padding_starts(allowed, 5).tolist() == [2, 0, 4]
+    lowest = torch.finfo(torch.float32).min
+    as_float = torch.zeros(3, 1, 1, 5).masked_fill(~allowed, lowest)
+    assert left_padding_starts(as_float, 5).tolist() == [2, 0, 4]
+    assert left_padding_starts(torch.cat([allowed, allowed[..., :2]], -1), 5).tolist() == [2, 0, 4]  # longer
+    right = torch.tensor([[1, 1, 1, 0, 0]], dtype=torch.bool).view(1, 1, 1, 5)
+    assert left_padding_starts(right, 5) is None
+    holes = torch.tensor([[0, 1, 0, 1, 1]], dtype=torch.bool).view(1, 1, 1, 5)
+    assert left_padding_starts(holes, 5) is None
+    assert left_padding_starts(as_float + 0.5, 5) is None  # an additive bias is not padding
+    assert left_padding_starts(allowed.expand(3, 2, 1, 5), 5) is None  # per-head masks
+    assert left_padding_starts(allowed.expand(3, 1, 2, 5), 5) is None  # more than one query
+
+
+def test_left_padded_decode_runs_the_kernel_with_starts(monkeypatch):
+    """A left-padded batch's decode steps read the pages through the decode kernel with per-row starts (no
+    read-back of the whole latent), with the tokens of the native model."""
+    import mla_fuser.attention_interfaces.vllm_mla as vm
+    from conftest import left_padded_prompts, tiny_deepseek
+
+    seen = []
+    real = vm.paged_decode
+
+    def spy(*args, **kwargs):
+        seen.append(args[-1] if len(args) > 7 else kwargs.get("starts"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(vm, "paged_decode", spy)
+    native = tiny_deepseek()
+    fused = tiny_deepseek(attn="vllm_mla")
+    mla_fuser.fuse(fused)
+    ids, mask = left_padded_prompts([3, 7], seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(fused.generate(ids, **kw), native.generate(ids, **kw))
+    assert seen and all(s is not None and s.tolist() == [4, 0] for s in seen)

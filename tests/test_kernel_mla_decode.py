@@ -148,6 +148,39 @@ def test_triton_ragged_page16(interp, dtype, num_splits):
     assert (out[0] == 0).all()
 
 
+def _with_starts_naive(q, kv, bt, lens, starts, scale, r):
+    """``naive`` over each sequence's tokens from its start: the rows before it written as NaN first, so a
+    kernel that reads them into the math shows it."""
+    kv = kv.clone()
+    ps = kv.shape[1]
+    for b, s0 in enumerate(starts.tolist()):
+        for t in range(min(s0, int(lens[b]))):
+            kv[int(bt[b, t // ps]), t % ps] = float("nan")
+    out = torch.zeros(q.shape[0], q.shape[1], r, dtype=torch.float64)
+    for b, s0 in enumerate(starts.tolist()):
+        L = int(lens[b])
+        rows = torch.stack([kv[int(bt[b, t // ps]), t % ps] for t in range(s0, L)]).double()
+        for h in range(q.shape[1]):
+            p = torch.softmax(scale * (rows @ q[b, h].double()), dim=0)
+            out[b, h] = p @ rows[:, :r]
+    return out, kv
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+@pytest.mark.parametrize("ps", [16, 64])
+def test_triton_left_padding_starts(interp, num_splits, ps):
+    """Starts inside the first tile, on a tile boundary, past whole tiles and splits (empty splits), and 0."""
+    lens = [70, 45, 130, 9]
+    starts = torch.tensor([5, 16, 97, 0], dtype=torch.int32)
+    q, kv, bt, seq = make_case(lens, 3, 32, 8, ps, torch.float32, seed=31)
+    want, kv = _with_starts_naive(q, kv, bt, seq, starts, 0.3, 32)
+    ref = md.mla_decode_ref(q, kv, bt, seq, 0.3, 32, starts)
+    torch.testing.assert_close(ref.double(), want, atol=1e-5, rtol=1e-5)
+    out = md.mla_decode(q, kv, bt, seq, 0.3, 32, num_splits=num_splits, starts=starts)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_page64_rope0_h5(interp, dtype):
     # rope_dim = 0 (no rope dot), H=5, page_size 64 with tiles of BLOCK_N (64 in bf16, 32 in fp32).

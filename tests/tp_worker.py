@@ -102,10 +102,10 @@ def run_case(path, plan, warm):
         seen["query_heads"].add(int(query.shape[1]))
         return original_fused(module, query, *args, **kwargs)
 
-    def spy_decode(query, view, scaling, w_uk, w_uv, b_v, m):
+    def spy_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts=None):
         seen["paged_decode"] += 1
         seen["decode_heads"].add((int(query.shape[1]), int(w_uk.shape[0]), int(w_uv.shape[0])))
-        return original_decode(query, view, scaling, w_uk, w_uv, b_v, m)
+        return original_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts)
 
     config = DistributedConfig(tp_size=2, tp_plan=plan) if plan is not None else DistributedConfig(tp_size=2)
     fused = mla_fuser.AutoModelForCausalLM.from_pretrained(path, distributed_config=config).eval()

@@ -1,8 +1,8 @@
 """Fused MLA attention over the paged latent cache (``mla_fuser.cache``).
 
-* decode (one new token per sequence, no mask / indices / sinks): absorbed attention with the
-  ``mla_decode`` kernel straight from the pages — the latent is read once, no per-head K/V exists;
-* everything else (prefill, chunked prefill, masked decode of left-padded batches, DSA indices, sinks):
+* decode (one new token per sequence, no mask or a left-padding mask, no indices / sinks): absorbed attention
+  with the ``mla_decode`` kernel straight from the pages — the latent is read once, no per-head K/V exists;
+* everything else (prefill, chunked prefill, other masks, DSA indices, sinks):
   the latent is gathered from the pages (contiguous ``[B, T, rank + rope]``) and the contiguous fused path
   runs on it, which expands K/V for prefill (compute-bound) and absorbs for single-token steps.
 """
@@ -22,18 +22,20 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m):
+def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts=None):
     """``query`` [B, H, 1, nope+rope] → ``[B, 1, H, v]`` via the decode kernel over the pages.
 
     ``w_uk [H, nope, rank]``, ``w_uv [H, v, rank]``, ``b_v [H, v]`` (or None) are the views of ``kv_b_proj`` for
     the heads of ``query`` (``vllm_mla.absorbed_weights``): all heads, or this rank's under tensor parallelism.
-    The pages hold the (replicated) latent on the layer's own device."""
+    The pages hold the (replicated) latent on the layer's own device.  ``starts`` (int ``[B]``): left padding,
+    tokens before ``starts[b]`` are not attended."""
     q_nope, q_pe = query[:, :, 0].split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
     # [H, B, nope] x [H, nope, rank] -> [H, B, rank]
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)
     q_abs = torch.cat([q_lat, q_pe], dim=-1).to(view.pages.dtype).contiguous()
     with on_device(q_abs):
-        out_lat = mla_decode(q_abs, view.pages, view.block_table, view.seq_lens, scaling, m.kv_lora_rank)
+        out_lat = mla_decode(q_abs, view.pages, view.block_table, view.seq_lens, scaling, m.kv_lora_rank,
+                             starts=starts)
     # [H, B, rank] x [H, rank, v] -> [H, B, v]
     out = torch.bmm(out_lat.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
     if b_v is not None:

@@ -134,6 +134,27 @@ def _boolean_mask(allowed, bias):
     return keep if allowed is None else allowed & keep
 
 
+def left_padding_starts(attention_mask, kv_len: int):
+    """For a one-token query's mask ``[B, 1, 1, >=T]`` that allows exactly the keys ``>= s_b`` of each row (left
+    padding; a float mask of 0 / very negative values counts), ``s`` as int32 ``[B]``; None for any other mask.
+    Costs one host sync (the check), which an eager decode step of a padded batch pays anyway."""
+    mask = attention_mask[..., :kv_len]
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[-1] != kv_len:
+        return None
+    mask = mask[:, 0, 0]
+    if mask.dtype == torch.bool:
+        allowed = mask
+        exact = True
+    else:
+        allowed = mask > torch.finfo(mask.dtype).min / 2
+        exact = (mask == 0) | ~allowed
+    starts = kv_len - allowed.sum(-1)
+    expected = torch.arange(kv_len, device=mask.device).view(1, -1) >= starts.view(-1, 1)
+    if not bool(((allowed == expected) & exact).all()):
+        return None
+    return starts.to(torch.int32)
+
+
 def _expand_latent(kv_c, k_pe, kv_b, m, heads: int):
     """Per-head K/V from the latent: ``kv_c`` [B, 1, T, rank], ``k_pe`` [B, 1, T, rope] → key ``[B, H, T, qk]``,
     value ``[B, H, T, v]``, exactly as the module's own expansion (``kv_b_proj`` per head ``[k_nope | v]``, the
@@ -178,11 +199,14 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
     s_aux = local_tensor(s_aux)
     view = getattr(kv_c, PAGED_ATTR, None)
     if view is not None:  # the paged latent cache: decode straight from the pages, else read them back
-        if (q_len == 1 and attention_mask is None and indices is None and s_aux is None and sliding_window is None
-                and softcap is None and not (dropout and module.training)):
-            with kv_b_params(plan.kv_b(module)) as (weight, bias):
-                w_uk, w_uv, b_v = absorbed_weights(weight, bias, m, heads)
-                return paged_decode(query, view, scale, w_uk, w_uv, b_v, m)
+        if (q_len == 1 and indices is None and s_aux is None and sliding_window is None and softcap is None
+                and not (dropout and module.training)):
+            # no mask: the cache's own left padding (if any); a mask: only if it is left padding, as starts
+            starts = view.starts if attention_mask is None else left_padding_starts(attention_mask, kv_c.shape[2])
+            if attention_mask is None or starts is not None:
+                with kv_b_params(plan.kv_b(module)) as (weight, bias):
+                    w_uk, w_uv, b_v = absorbed_weights(weight, bias, m, heads)
+                    return paged_decode(query, view, scale, w_uk, w_uv, b_v, m, starts)
         kv_c, k_pe = gathered_latent(view, m.kv_lora_rank)
     if kv_c.ndim != 4 or kv_c.shape[1] != 1 or kv_c.shape[-1] != m.kv_lora_rank:
         raise RuntimeError(

@@ -93,8 +93,10 @@ MIN_TILES_PER_SPLIT = 4
 # --------------------------------------------------------------------------------------------
 
 
-def mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim):
+def mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim, starts=None):
     """Torch reference (and the CPU path): gathers the pages densely and computes in fp32.
+
+    ``starts`` (int ``[B]`` or None): tokens before ``starts[b]`` are not attended (left padding).
 
     Vectorised over the batch (padded to the longest possible sequence, ``block_table.shape[1]``
     pages) so it needs no host sync; block-table entries past a sequence's last page are replaced
@@ -114,6 +116,8 @@ def mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim):
     kv = kv_pages[bt].reshape(B, max_pages * page_size, D).float()  # [B, Lmax, D]
     tok = torch.arange(max_pages * page_size, device=q.device)
     valid = tok[None, :] < seq_lens[:, None]  # [B, Lmax]
+    if starts is not None:
+        valid &= tok[None, :] >= starts.to(device=q.device, dtype=torch.long)[:, None]
     kv = kv.masked_fill(~valid[..., None], 0.0)  # garbage rows (maybe NaN) must not reach p @ V
     s = torch.einsum("bhd,btd->bht", q.float(), kv) * scale
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
@@ -166,6 +170,7 @@ def _stage1(
     KV,
     BT,
     SEQ_LENS,
+    STARTS,
     O_PART,
     LSE,
     OUT,
@@ -199,15 +204,24 @@ def _stage1(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = tl.program_id(2)
 
     seq_len = tl.load(SEQ_LENS + b)
-    n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    if HAS_STARTS:
+        # left padding: tokens before start_tok are not attended.  The splits cover the tiles from the one
+        # holding start_tok (tiles stay BLOCK_N-aligned, so a tile still lies inside one page); only that first
+        # tile has masked tokens, and it always holds start_tok itself, so every tile has a valid token.
+        start_tok = tl.load(STARTS + b)
+        first = (start_tok // BLOCK_N) * BLOCK_N
+    else:
+        first = 0
+    n_tiles = (seq_len - first + BLOCK_N - 1) // BLOCK_N
     tiles_per_split = (n_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    t_start = pid_s * tiles_per_split * BLOCK_N
+    t_start = first + pid_s * tiles_per_split * BLOCK_N
     t_end = tl.minimum(t_start + tiles_per_split * BLOCK_N, seq_len)
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -251,6 +265,8 @@ def _stage1(
     for start in range(t_start, t_end, BLOCK_N):
         tok = start + offs_n
         mask_n = tok < t_end
+        if HAS_STARTS:
+            mask_n = mask_n & (tok >= start_tok)
         if PER_ROW_PAGES:
             page = tl.load(bt_row + tok // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
             rows = page * stride_kvp + (tok % PAGE_SIZE) * stride_kvt
@@ -519,6 +535,7 @@ def mla_decode_triton(
     v_dim: int,
     num_splits: int | None = None,
     config: MLADecodeConfig | None = None,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`mla_decode` (no dispatch).  ``config`` overrides the tile knobs."""
     _check_inputs(q, kv_pages, block_table, seq_lens, v_dim)
@@ -535,6 +552,11 @@ def mla_decode_triton(
         block_table = block_table.to(torch.int32)
     if seq_lens.dtype != torch.int32:
         seq_lens = seq_lens.to(torch.int32)
+    if starts is not None:
+        if starts.shape != (B,):
+            raise ValueError(f"starts must be [B] = [{B}], got {tuple(starts.shape)}")
+        if starts.dtype != torch.int32:
+            starts = starts.to(torch.int32)
     if kv_pages.dtype != q.dtype:  # converting would silently copy the whole cache every call
         raise ValueError(f"q ({q.dtype}) and kv_pages ({kv_pages.dtype}) must have the same dtype")
 
@@ -579,6 +601,7 @@ def mla_decode_triton(
         kv_pages,
         block_table,
         seq_lens,
+        starts if starts is not None else seq_lens,  # unused pointer without starts
         o_part,
         lse,
         out,
@@ -609,6 +632,7 @@ def mla_decode_triton(
         DOT_PRECISION=dot_precision,
         DOT_UPCAST=dot_upcast,
         SWAP_AB=bool(cfg.swap_ab),
+        HAS_STARTS=starts is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -650,21 +674,22 @@ def _mla_decode_impl(
     scale: float,
     v_dim: int,
     num_splits: int | None = None,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(q):
-        return mla_decode_triton(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits)
-    return mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim)
+        return mla_decode_triton(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits, starts=starts)
+    return mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim, starts)
 
 
 _mla_decode_op = torch.library.custom_op("mla_fuser::mla_decode", mutates_args=())(_mla_decode_impl)
 
 
 @_mla_decode_op.register_fake
-def _mla_decode_fake(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None):
+def _mla_decode_fake(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None, starts=None):
     return q.new_empty((q.shape[0], q.shape[1], v_dim))
 
 
-def mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None) -> torch.Tensor:
+def mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None, starts=None) -> torch.Tensor:
     """Absorbed MLA decode attention over a paged latent cache.
 
     Args:
@@ -676,6 +701,7 @@ def mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None
         scale: softmax scale.
         v_dim: value width (= kv_lora_rank), the first ``v_dim`` columns of each latent row.
         num_splits: KV splits per sequence (None: chosen from shapes and the SM count).
+        starts: int32 ``[B]`` or None: sequence ``b`` attends only to tokens ``>= starts[b]`` (left padding).
 
     Returns ``[B, H, v_dim]`` in q's dtype.  Backend choice: ``dispatch.use_triton(q)``.  Under
     torch.compile (and for tensor subclasses such as FakeTensor) the call goes through the
@@ -686,5 +712,6 @@ def mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None
         # Eager on plain tensors: skip the custom-op dispatcher (~12 us of host time per call
         # measured on a dev CPU, which a small decode batch cannot hide).  Under torch.compile, or
         # with tensor subclasses (FakeTensor...), the op is one opaque node with a fake impl.
-        return _mla_decode_impl(q, kv_pages, block_table, seq_lens, float(scale), int(v_dim), num_splits)
-    return torch.ops.mla_fuser.mla_decode(q, kv_pages, block_table, seq_lens, float(scale), int(v_dim), num_splits)
+        return _mla_decode_impl(q, kv_pages, block_table, seq_lens, float(scale), int(v_dim), num_splits, starts)
+    return torch.ops.mla_fuser.mla_decode(q, kv_pages, block_table, seq_lens, float(scale), int(v_dim), num_splits,
+                                          starts)
