@@ -470,7 +470,7 @@ def install_auto_paged_cache(model) -> bool:
         )
         if not wants_default:
             return generate(self, *args, **kwargs)
-        from .decode_graph import GraphedForward, graphed_generate_plan
+        from .decode_graph import generate_graphed, graphed_generate_plan
 
         plan = graphed_generate_plan(self, args, kwargs)
         if plan is None:
@@ -479,12 +479,7 @@ def install_auto_paged_cache(model) -> bool:
         batch, max_seq_len, starts = plan  # decode steps replayed from a CUDA graph over a static cache this size
         cache = PagedLatentCache.static_for(self, batch, max_seq_len)
         cache.set_left_padding(starts)  # left-padded rows: the decode kernel skips their padding
-        kwargs[keyword] = cache
-        with GraphedForward(self, cache) as graphed:
-            out = generate(self, *args, **kwargs)
-        object.__setattr__(self, "_mla_fuser_graphed_steps", graphed.steps)  # diagnostics: steps replayed ...
-        object.__setattr__(self, "_mla_fuser_graph_captures", graphed.graph.captures)  # ... and captures
-        return out
+        return generate_graphed(self, generate, cache, keyword, args, kwargs)
 
     model.generate = types.MethodType(generate_with_paged_cache, model)
     object.__setattr__(model, "_mla_fuser_auto_cache", True)

@@ -34,7 +34,12 @@ from .kernels.dispatch import graph_warmup
 
 
 def _cache_keyword(model) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    """The forward's cache argument: ``cache`` (Transformers 5.2x), ``past_key_values`` or ``cache_params``."""
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values", "cache_params"):
+        if name in params:
+            return name
+    raise TypeError(f"{type(model).__name__}.forward takes no cache argument")
 
 
 def _is_state_layer(layer) -> bool:
@@ -341,6 +346,18 @@ def _left_padding(mask: torch.Tensor) -> torch.Tensor | None:
     return starts.to(torch.int32).cpu() if bool((allowed == expected).all()) else None
 
 
+def generate_graphed(model, generate, cache, keyword: str, args, kwargs):
+    """``generate(model, *args, **kwargs)`` over ``cache`` with its decode steps replayed from a CUDA graph
+    (:class:`GraphedForward`); how many steps were replayed and how often the step was captured are left on the
+    model (``_mla_fuser_graphed_steps``, ``_mla_fuser_graph_captures``) for diagnostics."""
+    kwargs[keyword] = cache
+    with GraphedForward(model, cache) as graphed:
+        out = generate(model, *args, **kwargs)
+    object.__setattr__(model, "_mla_fuser_graphed_steps", graphed.steps)
+    object.__setattr__(model, "_mla_fuser_graph_captures", graphed.graph.captures)
+    return out
+
+
 def install_graphed_generate(model) -> bool:
     """Give ``model.generate`` graphed decode steps when its cache only holds fixed-size states (a fused Mamba
     model: Transformers' linear-attention cache layers), bound to this instance only.  Fused MLA models get the
@@ -360,16 +377,10 @@ def install_graphed_generate(model) -> bool:
     keyword = _cache_keyword(model)
 
     def generate_with_graphs(self, *args, **kwargs):
-        wants_default = kwargs.get("cache") is None and kwargs.get("past_key_values") is None
+        wants_default = all(kwargs.get(k) is None for k in ("cache", "past_key_values", "cache_params"))
         if not wants_default or graphed_generate_plan(self, args, kwargs) is None:
             return generate(self, *args, **kwargs)  # (padding does not matter to a state-only decode step)
-        cache = DynamicCache(config=self.config)
-        kwargs[keyword] = cache
-        with GraphedForward(self, cache) as graphed:
-            out = generate(self, *args, **kwargs)
-        object.__setattr__(self, "_mla_fuser_graphed_steps", graphed.steps)  # diagnostics: steps replayed ...
-        object.__setattr__(self, "_mla_fuser_graph_captures", graphed.graph.captures)  # ... and captures
-        return out
+        return generate_graphed(self, generate, DynamicCache(config=self.config), keyword, args, kwargs)
 
     model.generate = types.MethodType(generate_with_graphs, model)
     object.__setattr__(model, "_mla_fuser_auto_cache", True)

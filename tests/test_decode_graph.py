@@ -12,6 +12,10 @@ from mla_fuser.cache import CachePoolExhausted, PagedLatentCache
 from conftest import tiny_deepseek
 from tiny_mamba_configs import make_model
 
+from mla_fuser.decode_graph import _cache_keyword
+
+KW = _cache_keyword(tiny_deepseek())  # Transformers renamed ``past_key_values`` to ``cache`` in 5.2x
+
 
 def _fused_pair(arch="deepseek_v2"):
     native = tiny_deepseek(arch)
@@ -26,7 +30,7 @@ def _prompt(batch=2, length=7, vocab=128, seed=3):
 
 def _greedy_with_graph(model, cache, ids, steps):
     with torch.no_grad():
-        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=ids, **{KW: cache}, use_cache=True).logits[:, -1]
     step = DecodeGraph(model, cache, capture=False)
     token = logits.argmax(-1, keepdim=True)
     tokens, all_logits = [token], [logits]
@@ -84,7 +88,7 @@ def test_refuses_bad_steps_and_a_full_cache():
     with pytest.raises(RuntimeError, match="prefill"):
         step(token, token)
     with torch.no_grad():
-        fused(input_ids=ids, cache=cache, use_cache=True)
+        fused(input_ids=ids, **{KW: cache}, use_cache=True)
     with pytest.raises(ValueError, match=r"\[B, 1\]"):
         step(ids, ids)
     with pytest.raises(ValueError, match="batch of 3"):
@@ -114,7 +118,7 @@ def test_generate_replays_decode_steps_through_the_graphed_forward():
     ids = _prompt(length=6)
     cache = PagedLatentCache.static_for(fused, 2, 6 + 13, page_size=4)
     with GraphedForward(fused, cache) as graphed:
-        out = fused.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=12,
+        out = fused.generate(ids, attention_mask=torch.ones_like(ids), **{KW: cache}, max_new_tokens=12,
                              do_sample=False)
     assert graphed.steps == 11
     assert "forward" not in fused.__dict__
@@ -125,16 +129,16 @@ def test_generate_replays_decode_steps_through_the_graphed_forward():
 def test_left_padded_generate_through_the_graphed_forward_equals_native():
     """A left-padded batch: the cache carries the padding (set_left_padding), the graphed decode steps get no
     mask and the decode kernel skips the padding; positions come from generate's own position ids."""
-    from mla_fuser.decode_graph import GraphedForward, _left_padding
+    from mla_fuser.decode_graph import _left_padding, generate_graphed
     from conftest import left_padded_prompts
 
     native, fused = _fused_pair()
     ids, mask = left_padded_prompts([3, 8, 5], seed=9)
     cache = PagedLatentCache.static_for(fused, 3, 8 + 13, page_size=4)
     cache.set_left_padding(_left_padding(mask))
-    with GraphedForward(fused, cache) as graphed:
-        out = fused.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=12, do_sample=False)
-    assert graphed.steps == 11
+    out = generate_graphed(fused, type(fused).generate, cache, KW, (ids,),
+                           dict(attention_mask=mask, max_new_tokens=12, do_sample=False))
+    assert fused._mla_fuser_graphed_steps == 11 and fused._mla_fuser_graph_captures == 0  # CPU: eager steps
     assert torch.equal(out, native.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
     assert cache.layers[1].starts.tolist() == [5, 0, 3]
 
@@ -170,7 +174,7 @@ def test_mamba_generate_through_the_graphed_forward_equals_native():
     ids = _prompt(length=9, vocab=native.config.vocab_size)
     cache = DynamicCache(config=fused.config)
     with GraphedForward(fused, cache) as graphed:
-        out = fused.generate(ids, cache=cache, max_new_tokens=10, do_sample=False)
+        out = fused.generate(ids, **{KW: cache}, max_new_tokens=10, do_sample=False)
     assert graphed.steps == 9
     assert torch.equal(out, native.generate(ids, max_new_tokens=10, do_sample=False))
     # the fused Mamba model's generate is the graphed one (graphs only on CUDA; here it runs as before)
