@@ -58,18 +58,14 @@ def timings(fn, x, device, graphs: bool):
         return {"eager_ms": (time.perf_counter() - t) / 3 * 1e3}
     import triton.testing
 
-    out = {"eager_ms": triton.testing.do_bench(lambda: fn(x), warmup=25, rep=100)}
+    from bench_fused_moe import cuda_graph_timer
+
+    def timer(f):
+        return triton.testing.do_bench(f, warmup=25, rep=100)
+
+    out = {"eager_ms": timer(lambda: fn(x))}
     if graphs:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn(x)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(x)
-        out["cudagraph_ms"] = triton.testing.do_bench(graph.replay, warmup=25, rep=100)
+        out["cudagraph_ms"] = cuda_graph_timer(lambda: fn(x), timer)
     return out
 
 
@@ -90,10 +86,9 @@ def copy_bandwidth(device) -> float | None:
         return None
     import triton.testing
 
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50)
-    return 2 * src.numel() / ms / 1e6
+    from bench_fused_moe import copy_bandwidth as measure
+
+    return measure(device, lambda f: triton.testing.do_bench(f, warmup=10, rep=50), 1 << 30)
 
 
 def main():
