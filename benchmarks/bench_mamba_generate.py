@@ -59,12 +59,12 @@ def graph_decode(model, ids, new_tokens, device):
     from transformers import DynamicCache
 
     from mla_fuser import DecodeGraph
-    from mla_fuser.decode_graph import _cache_keyword
+    from mla_fuser.cache import cache_keyword
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_keyword(model): cache}).logits
+        logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache}).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
         step = DecodeGraph(model, cache)
         position = ids.shape[1]

@@ -22,8 +22,7 @@ def main():
     p.add_argument("--out", default="profile_host.txt")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args()
-    from mla_fuser.bench import _cache_kwarg
-    from mla_fuser.cache import PagedLatentCache
+    from mla_fuser.cache import PagedLatentCache, cache_keyword
     from mla_fuser.presets import build_preset
 
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
@@ -31,7 +30,7 @@ def main():
     batch, length = (int(v) for v in args.shape.split("x"))
     model = build_preset(preset, seed=0, dtype=dtype, device=device)
     ids = torch.randint(3, 1000, (batch, length), device=device)
-    key = _cache_kwarg(model)
+    key = cache_keyword(model)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def prefill():

@@ -16,12 +16,6 @@ import time
 import torch
 
 
-def _key(model) -> str:
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _table(prof, sort_by, rows=15):
     out = []
     for evt in sorted(prof.key_averages(), key=lambda e: getattr(e, sort_by), reverse=True)[:rows]:
@@ -65,7 +59,7 @@ def main():
     p.add_argument("--out", default="profile_model.json")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args()
-    from mla_fuser.cache import PagedLatentCache
+    from mla_fuser.cache import PagedLatentCache, cache_keyword
     from mla_fuser.presets import build_preset
 
     device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
@@ -78,7 +72,7 @@ def main():
     for name, attn, fuse in (("fused", "vllm_mla", True), ("native", "sdpa", False)):
         model = build_preset(preset, seed=0, attn_implementation=attn, dtype=dtype, device=str(device), fuse=fuse)
         vocab = model.get_input_embeddings().weight.shape[0]
-        key = _key(model)
+        key = cache_keyword(model)
         with torch.no_grad():
             for batch, length in shapes(args.prefill):
                 ids = torch.randint(3, vocab, (batch, length), device=device)

@@ -19,13 +19,6 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _cache_kwarg(model) -> str:
-    """Transformers renamed ``past_key_values`` to ``cache`` in 5.2x; use whichever this version takes."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _compiled_forward(model, mode: str, backend: str):
     """``model.forward`` under torch.compile, built once per model (reused by warm-up and timed runs)."""
     cached = getattr(model, "_mla_fuser_bench_compiled", None)
@@ -46,9 +39,9 @@ def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor"
     ``steps`` replays.  Models without paged layers (native) run eagerly as usual."""
     from transformers import DynamicCache, StaticCache
 
-    from .cache import PagedLatentCache, paged_layer_indices
+    from .cache import PagedLatentCache, cache_keyword, paged_layer_indices
 
-    key = _cache_kwarg(model)
+    key = cache_keyword(model)
     device = ids.device
     batch, context = ids.shape
     max_len = context + steps + 16 + (2 if cuda_graph else 0)
@@ -63,7 +56,6 @@ def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor"
         cache = StaticCache(config=model.config, max_cache_len=max_len)
     else:
         cache = DynamicCache(config=model.config)
-    step_fn = _compiled_forward(model, compile_mode, compile_backend) if compile_mode else model.forward
     if cuda_graph:
         from .decode_graph import DecodeGraph
 
@@ -71,6 +63,8 @@ def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor"
 
         def step_fn(input_ids, position_ids, **_):
             return graph(input_ids, position_ids).unsqueeze(1)
+    else:
+        step_fn = _compiled_forward(model, compile_mode, compile_backend) if compile_mode else model.forward
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0

@@ -440,10 +440,15 @@ def paged_layer_indices(model) -> list[int]:
     return sorted(found)
 
 
-def _cache_keyword(model) -> str:
+def cache_keyword(model) -> str:
+    """The forward's cache argument: ``cache`` (Transformers 5.2x), ``past_key_values`` or ``cache_params``."""
     import inspect
 
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values", "cache_params"):
+        if name in params:
+            return name
+    raise TypeError(f"{type(model).__name__}.forward takes no cache argument")
 
 
 def install_auto_paged_cache(model) -> bool:
@@ -459,7 +464,7 @@ def install_auto_paged_cache(model) -> bool:
     if getattr(model, "_mla_fuser_auto_cache", False) or not paged_layer_indices(model):
         return False
     generate = type(model).generate
-    keyword = _cache_keyword(model)
+    keyword = cache_keyword(model)
 
     def generate_with_paged_cache(self, *args, **kwargs):
         config = kwargs.get("generation_config") or self.generation_config

@@ -29,17 +29,8 @@ import inspect
 
 import torch
 
-from .cache import CachePoolExhausted, PagedLatentCache, PagedLatentLayer
+from .cache import CachePoolExhausted, PagedLatentCache, PagedLatentLayer, cache_keyword
 from .kernels.dispatch import graph_warmup
-
-
-def _cache_keyword(model) -> str:
-    """The forward's cache argument: ``cache`` (Transformers 5.2x), ``past_key_values`` or ``cache_params``."""
-    params = inspect.signature(model.forward).parameters
-    for name in ("cache", "past_key_values", "cache_params"):
-        if name in params:
-            return name
-    raise TypeError(f"{type(model).__name__}.forward takes no cache argument")
 
 
 def _is_state_layer(layer) -> bool:
@@ -88,7 +79,7 @@ class DecodeGraph:
         if self.capture and device.type != "cuda":
             raise ValueError("DecodeGraph: capture=True needs the model on a CUDA device")
         self.device = device
-        self.keyword = _cache_keyword(model)
+        self.keyword = cache_keyword(model)
         self.graph = None
         self.captures = 0  # how many times the step was captured (1 unless a cache moved its memory)
         self._addresses = None
@@ -227,7 +218,7 @@ class GraphedForward:
     def __init__(self, model, cache):
         self.model = model
         self.cache = cache
-        self.keyword = _cache_keyword(model)
+        self.keyword = cache_keyword(model)
         self.graph = DecodeGraph(model, cache)
         self.output_type = None
         self.steps = 0  # decode steps that went through the graph (the first one runs eagerly inside it)
@@ -374,7 +365,7 @@ def install_graphed_generate(model) -> bool:
     except (ValueError, TypeError):
         return False
     generate = type(model).generate
-    keyword = _cache_keyword(model)
+    keyword = cache_keyword(model)
 
     def generate_with_graphs(self, *args, **kwargs):
         wants_default = all(kwargs.get(k) is None for k in ("cache", "past_key_values", "cache_params"))

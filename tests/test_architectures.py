@@ -135,9 +135,9 @@ def _decode_base(model, ids, steps=NEW_TOKENS):
 
 
 def _cache_kw(model) -> str:
-    import inspect
+    from mla_fuser.cache import cache_keyword
 
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return cache_keyword(model)
 
 
 def _generate(model, ids, **kw):

@@ -12,9 +12,9 @@ from mla_fuser.cache import CachePoolExhausted, PagedLatentCache
 from conftest import tiny_deepseek
 from tiny_mamba_configs import make_model
 
-from mla_fuser.decode_graph import _cache_keyword
+from mla_fuser.cache import cache_keyword
 
-KW = _cache_keyword(tiny_deepseek())  # Transformers renamed ``past_key_values`` to ``cache`` in 5.2x
+KW = cache_keyword(tiny_deepseek())  # Transformers renamed ``past_key_values`` to ``cache`` in 5.2x
 
 
 def _fused_pair(arch="deepseek_v2"):

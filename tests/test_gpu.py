@@ -49,9 +49,9 @@ def models():
 
 
 def _cache_kw(model, cache):
-    import inspect
+    from mla_fuser.cache import cache_keyword
 
-    return {"cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values": cache}
+    return {cache_keyword(model): cache}
 
 
 def _rel(a, b):

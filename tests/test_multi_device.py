@@ -76,7 +76,9 @@ def _offload_map(layers=2, disk=(1,)):
 
 
 def _cache_kw(model):
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    from mla_fuser.cache import cache_keyword
+
+    return cache_keyword(model)
 
 
 def _fused_forward_is_wrapped_by_hook(module) -> bool:

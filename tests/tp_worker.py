@@ -15,7 +15,6 @@ fail alike; a one-sided failure inside a collective would block until the test's
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 import traceback
@@ -65,7 +64,9 @@ def unpadded_inputs():
 
 
 def _cache_kw(model):
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    from mla_fuser.cache import cache_keyword
+
+    return cache_keyword(model)
 
 
 def run_model(model):
