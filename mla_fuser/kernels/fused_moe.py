@@ -858,7 +858,7 @@ def _launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk
     )  # fmt: skip
 
 
-def _choose_path(path: str, num_tokens: int, num_pairs: int, on_cuda: bool) -> str:
+def _choose_path(path: str, num_tokens: int, num_pairs: int) -> str:
     """"auto": the small path (no alignment launch, GEMV down+combine up to ``GEMV_DOWN_MAX_TOKENS``) up to
     ``SMALL_BATCH_MAX_TOKENS`` tokens, the aligned grouped GEMM above.  The choice depends on shapes only, never
     on whether a CUDA graph is being captured: a captured step must use the kernels its eager warm-up compiled
@@ -897,7 +897,7 @@ def fused_experts_triton(
     num_pairs = num_tokens * topk
     if num_pairs == 0:
         return out.zero_()
-    path = _choose_path(path, num_tokens, num_pairs, hidden.is_cuda)
+    path = _choose_path(path, num_tokens, num_pairs)
     cfg = config if config is not None else get_moe_config(path, num_tokens, topk, num_experts)
     wdtype = gate_up_w.dtype
     x = hidden if hidden.dtype == wdtype else hidden.to(wdtype)
