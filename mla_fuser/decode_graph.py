@@ -43,7 +43,13 @@ def _is_state_layer(layer) -> bool:
 
 
 def _layer_tensors(layer):
-    """Every tensor a cache layer holds (attributes, lists / dicts of tensors, a paged layer's pool)."""
+    """The device memory a cache layer's decode step reads or writes: a paged layer's pool, tables, starts and
+    stand-in rows; for any other layer every tensor it holds (attributes, lists / dicts of tensors).  Checked
+    before every replay, so the paged case is listed rather than scanned (its host tables are long lists)."""
+    if isinstance(layer, PagedLatentLayer):
+        pages = None if layer.pool is None else layer.pool.pages
+        held = (pages, layer.tables, layer.block_table, layer.seq_lens, layer.starts, *(layer._nan_rows or ()))
+        return [t for t in held if t is not None]
     found = []
     for value in list(vars(layer).values()):
         if isinstance(value, dict):
@@ -52,9 +58,10 @@ def _layer_tensors(layer):
             found.append(value)
         elif isinstance(value, (list, tuple)):
             found.extend(v for v in value if isinstance(v, torch.Tensor))
-    if isinstance(layer, PagedLatentLayer) and layer.pool is not None:
-        found.append(layer.pool.pages)
     return found
+
+
+_NOT_PREFILLED = "DecodeGraph: prefill the prompt into the cache first (an eager forward)"
 
 
 class DecodeGraph:
@@ -85,6 +92,7 @@ class DecodeGraph:
         self._addresses = None
         self._ids = self._positions = self._logits = None
         self._check_layers()
+        self._paged = [layer for layer in self.cache.layers if isinstance(layer, PagedLatentLayer)]
 
     # ------------------------------------------------------------------ checks
     def _check_layers(self):
@@ -104,31 +112,28 @@ class DecodeGraph:
             )
 
     def _paged_layers(self):
-        return [layer for layer in self.cache.layers if isinstance(layer, PagedLatentLayer)]
+        return self._paged
 
-    def _prefilled(self) -> bool:
+    def _check_step(self, batch: int):
+        """Every step, one pass over the layers: the cache was prefilled, holds this batch and has room for the
+        token (a replay past a full static cache would write out of range)."""
         for layer in self.cache.layers:
             if isinstance(layer, PagedLatentLayer):
-                if not layer.host_lens or max(layer.host_lens) == 0:
-                    return False
+                lens = layer.host_lens
+                longest = max(lens) if lens else 0
+                if longest == 0:
+                    raise RuntimeError(_NOT_PREFILLED)
+                if len(lens) != batch:
+                    raise ValueError(f"DecodeGraph: the cache holds {len(lens)} sequences, got a batch of {batch}")
+                if longest + 1 > self.cache.max_seq_len:
+                    raise CachePoolExhausted(
+                        f"static paged latent cache sized for {self.cache.max_seq_len} tokens per sequence is full"
+                    )
             else:
                 started = getattr(layer, "has_previous_state", {})  # per state index
                 values = list(started.values()) if isinstance(started, dict) else list(started)
                 if not values or not all(values):
-                    return False
-        return True
-
-    def _check_step(self, batch: int):
-        if not self._prefilled():
-            raise RuntimeError("DecodeGraph: prefill the prompt into the cache first (an eager forward)")
-        for layer in self._paged_layers():
-            if len(layer.host_lens) != batch:
-                raise ValueError(f"DecodeGraph: the cache holds {len(layer.host_lens)} sequences, got a batch of "
-                                 f"{batch}")
-            if layer.host_lens and max(layer.host_lens) + 1 > self.cache.max_seq_len:
-                raise CachePoolExhausted(
-                    f"static paged latent cache sized for {self.cache.max_seq_len} tokens per sequence is full"
-                )
+                    raise RuntimeError(_NOT_PREFILLED)
 
     def _current_addresses(self):
         return tuple(t.data_ptr() for layer in self.cache.layers for t in _layer_tensors(layer))
@@ -213,7 +218,7 @@ class GraphedForward:
     Bound to the model instance for the duration of the call (``with GraphedForward(model, cache):``); the
     output of a replayed step has the type and cache field of the model's own output, with last-token logits."""
 
-    _PASSED_THROUGH = ("inputs_embeds", "labels", "output_attentions", "output_hidden_states")
+    _PASSED_THROUGH = ("labels", "output_attentions", "output_hidden_states")
 
     def __init__(self, model, cache):
         self.model = model
@@ -245,7 +250,7 @@ class GraphedForward:
         ids = kwargs.get("input_ids")
         return (
             not args and kwargs.get(self.keyword) is self.cache and ids is not None and ids.dim() == 2
-            and ids.shape[1] == 1 and not any(kwargs.get(k) for k in self._PASSED_THROUGH if k != "inputs_embeds")
+            and ids.shape[1] == 1 and not any(kwargs.get(k) for k in self._PASSED_THROUGH)
             and kwargs.get("inputs_embeds") is None and kwargs.get("use_cache", True) is not False
             and self.output_type is not None
         )
@@ -329,12 +334,10 @@ def generate_shape(model, args, kwargs):
 
 def _left_padding(mask: torch.Tensor) -> torch.Tensor | None:
     """Per-row count of leading padding tokens of a 2-D 0/1 mask that is left padding, else None."""
-    if mask.dim() != 2:
-        return None
-    allowed = mask.bool()
-    starts = mask.shape[1] - allowed.sum(-1)
-    expected = torch.arange(mask.shape[1], device=mask.device).view(1, -1) >= starts.view(-1, 1)
-    return starts.to(torch.int32).cpu() if bool((allowed == expected).all()) else None
+    from .attention_interfaces.vllm_mla import left_padding_of
+
+    starts = left_padding_of(mask.bool()) if mask.dim() == 2 else None
+    return None if starts is None else starts.cpu()
 
 
 def generate_graphed(model, generate, cache, keyword: str, args, kwargs):

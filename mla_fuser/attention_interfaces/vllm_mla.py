@@ -143,16 +143,18 @@ def left_padding_starts(attention_mask, kv_len: int):
         return None
     mask = mask[:, 0, 0]
     if mask.dtype == torch.bool:
-        allowed = mask
-        exact = True
-    else:
-        allowed = mask > torch.finfo(mask.dtype).min / 2
-        exact = (mask == 0) | ~allowed
-    starts = kv_len - allowed.sum(-1)
-    expected = torch.arange(kv_len, device=mask.device).view(1, -1) >= starts.view(-1, 1)
-    if not bool(((allowed == expected) & exact).all()):
-        return None
-    return starts.to(torch.int32)
+        return left_padding_of(mask)
+    allowed = mask > torch.finfo(mask.dtype).min / 2
+    return left_padding_of(allowed, exact=(mask == 0) | ~allowed)
+
+
+def left_padding_of(allowed: torch.Tensor, exact=True):
+    """int32 ``[B]``: how many leading keys each row of the boolean ``allowed [B, T]`` leaves out, when every row
+    allows exactly the keys from there on (and ``exact`` holds everywhere); None otherwise.  One host sync."""
+    length = allowed.shape[-1]
+    starts = length - allowed.sum(-1)
+    expected = torch.arange(length, device=allowed.device).view(1, -1) >= starts.view(-1, 1)
+    return starts.to(torch.int32) if bool(((allowed == expected) & exact).all()) else None
 
 
 def _expand_latent(kv_c, k_pe, kv_b, m, heads: int):
