@@ -295,21 +295,26 @@ def bench_mamba2_mixer(results):
                        n_groups=s["groups"], conv_kernel=s["conv"], chunk_size=s["chunk"], expand=2, num_hidden_layers=1)
     torch.manual_seed(0)
     mixer = m2.Mamba2Mixer(cfg, layer_idx=0).to(DEVICE, torch.bfloat16).eval()
-    h = torch.randn(s["batch"], s["seqlen"], s["hidden"], device=DEVICE, dtype=torch.bfloat16)
     hooks = {
         "causal_conv1d_fn": conv_mod.causal_conv1d,
         "causal_conv1d_update": conv_mod.causal_conv1d_update,
         "mamba2_chunk_scan": ssd_mod.mamba_chunk_scan_combined,
         "mamba2_selective_state_update": scan_mod.selective_state_update,
     }
+    _mixer_prefill_then_decode(results, "mamba2", mixer, cfg, s, hooks, mod)
+
+
+def _mixer_prefill_then_decode(results, kind, mixer, cfg, s, hooks, mod):
+    """Prefill of ``mixer`` with Transformers' torch path vs our kernels patched into ``mod``, then the decode."""
+    h = torch.randn(s["batch"], s["seqlen"], s["hidden"], device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():
         ref = mixer(h)
         torch_ms = bench(lambda: mixer(h), quick=True)
-        with patched(m2, hooks):
+        with patched(mod, hooks):
             out = mixer(h)
             ms = bench(lambda: mixer(h))
-    record(results, "mamba2.mixer_prefill", ms=ms, torch_ms=torch_ms, rel_err_vs_torch=rel_err(out, ref))
-    safe(results, "mamba2.mixer_decode", lambda: _mixer_decode(results, "mamba2", mixer, cfg, h, hooks, mod))
+    record(results, f"{kind}.mixer_prefill", ms=ms, torch_ms=torch_ms, rel_err_vs_torch=rel_err(out, ref))
+    safe(results, f"{kind}.mixer_decode", lambda: _mixer_decode(results, kind, mixer, cfg, h, hooks, mod))
 
 
 def _mixer_decode(results, kind, mixer, cfg, h, hooks, mod):
@@ -446,21 +451,13 @@ def bench_mamba1_mixer(results):
     assert cfg.intermediate_size == s["inner"]
     torch.manual_seed(0)
     mixer = mm.MambaMixer(cfg, layer_idx=0).to(DEVICE, torch.bfloat16).eval()
-    h = torch.randn(s["batch"], s["seqlen"], s["hidden"], device=DEVICE, dtype=torch.bfloat16)
     hooks = {
         "causal_conv1d_fn": conv_mod.causal_conv1d,
         "causal_conv1d_update": conv_mod.causal_conv1d_update,
         "mamba_selective_scan": scan_mod.selective_scan,
         "mamba_selective_state_update": scan_mod.selective_state_update,
     }
-    with torch.no_grad():
-        ref = mixer(h)
-        torch_ms = bench(lambda: mixer(h), quick=True)
-        with patched(mm, hooks):
-            out = mixer(h)
-            ms = bench(lambda: mixer(h))
-    record(results, "mamba1.mixer_prefill", ms=ms, torch_ms=torch_ms, rel_err_vs_torch=rel_err(out, ref))
-    safe(results, "mamba1.mixer_decode", lambda: _mixer_decode(results, "mamba1", mixer, cfg, h, hooks, mod))
+    _mixer_prefill_then_decode(results, "mamba1", mixer, cfg, s, hooks, mod)
 
 
 # ----------------------------------------------------------------------------------------------------
