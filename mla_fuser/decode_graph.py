@@ -206,9 +206,9 @@ GENERATE_MIN_NEW_TOKENS = 8
 
 def cuda_graphs_wanted() -> bool:
     """``MLA_FUSER_CUDA_GRAPHS=0`` turns the graphed decode of ``generate`` off (read, never written)."""
-    import os
+    from . import envs
 
-    return os.environ.get("MLA_FUSER_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return envs.cuda_graphs_enabled()
 
 
 class GraphedForward:

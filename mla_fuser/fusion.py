@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 from torch import nn
 
 from . import attention_interfaces  # noqa: F401  (registers vllm_mla)
+from . import envs
 from .fusers.base import FusionReport, FusionRow
 from .fusers.mla import PLAN_ATTR, MLAFuser, apply_mla
 from .graph import rmsnorm_width
@@ -19,8 +19,8 @@ _warned_disabled = False
 
 
 def mla_disabled() -> bool:
-    """``VLLM_MLA_DISABLE`` is read (never written) at each fuse."""
-    return os.environ.get("VLLM_MLA_DISABLE", "0").strip().lower() not in ("", "0", "false", "no")
+    """``VLLM_MLA_DISABLE`` is read (never written) at each fuse (``envs``: one vocabulary for every switch)."""
+    return envs.mla_disabled()
 
 
 def transformers_supported() -> tuple[bool, str]:
@@ -132,6 +132,7 @@ def fuse(model: nn.Module) -> FusionReport:
     existing = getattr(model, "fusion_report", None)
     if isinstance(existing, FusionReport) and getattr(model, "_mla_fuser_done", False):
         return existing
+    envs.check_all()  # a bad flag (MLA_FUSER_BACKEND=cuda, VLLM_MLA_DISABLE=maybe) fails here, not at a forward
     report = FusionReport()
     ok, version = transformers_supported()
     if not ok:
@@ -145,9 +146,10 @@ def fuse(model: nn.Module) -> FusionReport:
         return report
     disabled = mla_disabled()
     if disabled:
-        report.notes.append("VLLM_MLA_DISABLE=1: MLA fusion disabled, vllm_mla runs padded full attention")
+        flag = envs.describe("VLLM_MLA_DISABLE")
+        report.notes.append(f"{flag}: MLA fusion disabled, vllm_mla runs padded full attention")
         if not _warned_disabled:
-            warnings.warn("VLLM_MLA_DISABLE=1: mla-fuser runs padded full attention, no MLA fusion", stacklevel=2)
+            warnings.warn(f"{flag}: mla-fuser runs padded full attention, no MLA fusion", stacklevel=2)
             _warned_disabled = True
     block_fusers = _block_fusers()
     block_names = {f: [n for n, m in model.named_modules() if n and f.is_candidate(m)] for f in block_fusers}
@@ -177,7 +179,7 @@ def fuse(model: nn.Module) -> FusionReport:
                 report.rows.append(FusionRow(name, type(module).__name__, "mla", "fallback", reason))
             continue
         if disabled:
-            report.rows.append(FusionRow(name, type(module).__name__, "mla", "fallback", "VLLM_MLA_DISABLE=1"))
+            report.rows.append(FusionRow(name, type(module).__name__, "mla", "fallback", flag))
             continue
         report.rows.append(apply_mla(module, match, name))
     for fuser, fuser_names in block_names.items():

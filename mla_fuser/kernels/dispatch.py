@@ -13,11 +13,12 @@ implementation.  Which one runs is decided here, once per call, from the input t
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-VALID_BACKENDS = ("triton", "torch")
+from .. import envs
+
+VALID_BACKENDS = envs.VARIABLES["MLA_FUSER_BACKEND"].choices
 
 
 @functools.lru_cache(maxsize=1)
@@ -31,17 +32,13 @@ def triton_available() -> bool:
 
 
 def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return envs.triton_interpreting()
 
 
 def requested_backend() -> str | None:
-    """The backend forced through ``MLA_FUSER_BACKEND``, or None for automatic choice."""
-    value = os.environ.get("MLA_FUSER_BACKEND", "").strip().lower()
-    if not value:
-        return None
-    if value not in VALID_BACKENDS:
-        raise ValueError(f"MLA_FUSER_BACKEND={value!r} is not one of {VALID_BACKENDS}")
-    return value
+    """The backend forced through ``MLA_FUSER_BACKEND``, or None for automatic choice (``envs.SettingError``
+    for a value outside ``VALID_BACKENDS``)."""
+    return envs.kernel_backend()
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:

@@ -63,12 +63,12 @@ and its fp32->bf16 conversions truncate instead of rounding to nearest (tests al
 
 import functools
 import json
-import os
 import types
 from typing import Optional
 
 import torch
 
+from .. import envs
 from .dispatch import LazyJit, on_tensor_device, triton_available, triton_interpreting, use_triton
 
 if triton_available():
@@ -115,13 +115,11 @@ _ACTIVATIONS = {"silu": 0, "swish": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "gelu_
 
 
 def _small_batch_max_tokens() -> int:
-    value = os.environ.get("MLA_FUSER_MOE_SMALL_BATCH_TOKENS", "").strip()
-    return int(value) if value else SMALL_BATCH_MAX_TOKENS
+    return envs.moe_small_batch_tokens(SMALL_BATCH_MAX_TOKENS)
 
 
 def _gemv_down_max_tokens() -> int:
-    value = os.environ.get("MLA_FUSER_MOE_GEMV_TOKENS", "").strip()
-    return int(value) if value else GEMV_DOWN_MAX_TOKENS
+    return envs.moe_gemv_tokens(GEMV_DOWN_MAX_TOKENS)
 
 
 def _activation_code(activation: str) -> int:
@@ -708,7 +706,7 @@ def get_moe_config(path: str, num_tokens: int, topk: int, num_experts: int) -> d
     """Config for one call: tuned (JSON at ``$MLA_FUSER_MOE_CONFIGS``, the ``best_configs`` format written
     by the benchmark: ``{path: {"<max_tokens>": {"gemm1": {...}, "gemm2": {...}}}}``, the smallest bucket
     >= num_tokens wins, and the aligned path's gemm1/gemm2 must share ``BLOCK_M``) or the defaults."""
-    tuned_file = os.environ.get("MLA_FUSER_MOE_CONFIGS", "").strip()
+    tuned_file = envs.moe_configs_path()
     if tuned_file:
         table = _load_tuned(tuned_file).get(path, {})
         buckets = sorted(int(b) for b in table)

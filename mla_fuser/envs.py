@@ -1,0 +1,135 @@
+"""Every environment variable mla-fuser reads, parsed in one place with one vocabulary.
+
+The library reads these (at each use, so a test or a user may change them between calls) and never writes
+them.  A value outside a variable's vocabulary is an error that names the allowed values: a typo such as
+``MLA_FUSER_BACKEND=cuda`` or ``VLLM_MLA_DISABLE=maybe`` must never be read silently as something else.
+
+Switches share one vocabulary: ``1 true yes on`` mean on, ``0 false no off`` (or unset / empty) mean off,
+case-insensitive.  ``check_all()`` validates every variable at once; ``fuse()`` calls it, so a bad value fails
+when the model is loaded, not at its first forward.  ``README.md`` lists the same variables (a test checks
+that the table and ``VARIABLES`` agree).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+class SettingError(ValueError):
+    """An environment variable holds a value outside its vocabulary."""
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    kind: str  # "switch" | "choice" | "int" | "path"
+    default: object
+    doc: str
+    choices: tuple[str, ...] = ()
+
+
+VARIABLES: dict[str, Variable] = {v.name: v for v in (
+    Variable("VLLM_MLA_DISABLE", "switch", False,
+             "no MLA fusion; `vllm_mla` runs padded full attention; one warning; the report says why"),
+    Variable("MLA_FUSER_BACKEND", "choice", None,
+             "force the kernel backend (default: Triton on CUDA, torch on CPU); with `TRITON_INTERPRET=1`, "
+             "`triton` runs the Triton kernels on CPU", choices=("triton", "torch")),
+    Variable("MLA_FUSER_CUDA_GRAPHS", "switch", True,
+             "`0` makes `generate()` of a fused model run its decode steps eagerly instead of replaying them "
+             "from a CUDA graph"),
+    Variable("MLA_FUSER_MOE_SMALL_BATCH_TOKENS", "int", None,
+             "tokens up to which the fused MoE kernel takes its small-batch (expert-grouped) path"),
+    Variable("MLA_FUSER_MOE_GEMV_TOKENS", "int", None,
+             "tokens up to which the small-batch MoE path fuses the down projection with the top-k sum"),
+    Variable("MLA_FUSER_MOE_CONFIGS", "path", None,
+             "JSON of tuned MoE tiles (the `best_configs` format `benchmarks/bench_fused_moe.py` writes)"),
+    Variable("TRITON_INTERPRET", "switch", False,
+             "Triton's own flag: run Triton kernels in its interpreter (how the tests run them on CPU)"),
+)}
+
+
+def _raw(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def _allowed(var: Variable) -> str:
+    if var.kind == "switch":
+        return "one of " + ", ".join(TRUE_WORDS + FALSE_WORDS) + " (or unset)"
+    if var.kind == "choice":
+        return "one of " + ", ".join(var.choices) + " (or unset)"
+    if var.kind == "int":
+        return "a non-negative integer (or unset)"
+    return "a path to an existing file (or unset)"
+
+
+def get(name: str):
+    """The parsed value of ``name`` (its default when unset or empty); ``SettingError`` for a bad value."""
+    var = VARIABLES[name]
+    raw = _raw(name)
+    if not raw:
+        return var.default
+    word = raw.lower()
+    if var.kind == "switch":
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+    elif var.kind == "choice":
+        if word in var.choices:
+            return word
+    elif var.kind == "int":
+        if word.isdigit():
+            return int(word)
+    elif var.kind == "path":
+        if os.path.isfile(raw):
+            return raw
+    raise SettingError(f"{name}={raw!r} is not valid: expected {_allowed(var)}")
+
+
+def check_all() -> None:
+    """Parse every variable; the first bad one raises ``SettingError``."""
+    for name in VARIABLES:
+        get(name)
+
+
+def describe(name: str) -> str:
+    """``NAME=value`` as set in the environment (for reports)."""
+    return f"{name}={_raw(name)}"
+
+
+# ---- the accessors the package uses
+
+
+def mla_disabled() -> bool:
+    return bool(get("VLLM_MLA_DISABLE"))
+
+
+def kernel_backend() -> str | None:
+    """``"triton"``, ``"torch"`` or None (automatic)."""
+    return get("MLA_FUSER_BACKEND")
+
+
+def cuda_graphs_enabled() -> bool:
+    return bool(get("MLA_FUSER_CUDA_GRAPHS"))
+
+
+def triton_interpreting() -> bool:
+    return bool(get("TRITON_INTERPRET"))
+
+
+def moe_small_batch_tokens(default: int) -> int:
+    value = get("MLA_FUSER_MOE_SMALL_BATCH_TOKENS")
+    return default if value is None else value
+
+
+def moe_gemv_tokens(default: int) -> int:
+    value = get("MLA_FUSER_MOE_GEMV_TOKENS")
+    return default if value is None else value
+
+
+def moe_configs_path() -> str | None:
+    return get("MLA_FUSER_MOE_CONFIGS")
