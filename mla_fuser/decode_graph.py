@@ -226,6 +226,7 @@ class GraphedForward:
         self.keyword = cache_keyword(model)
         self.graph = DecodeGraph(model, cache)
         self.output_type = None
+        self.cache_field = None  # the output's cache field, read off the first eager output (_cache_field)
         self.steps = 0  # decode steps that went through the graph (the first one runs eagerly inside it)
         self._inside = False  # the graph's own eager step and capture call the model: those run the original
 
@@ -274,7 +275,9 @@ class GraphedForward:
         if self._inside or not self._is_decode_step(args, kwargs):
             out = self.original(*args, **kwargs)
             if self.output_type is None and hasattr(out, "logits"):
-                self.output_type = type(out)
+                self.cache_field = _cache_field(out, self.cache)
+                if self.cache_field is not None:  # (else every step runs the model's own forward)
+                    self.output_type = type(out)
             return out
         ids = kwargs["input_ids"]
         self._inside = True
@@ -283,9 +286,25 @@ class GraphedForward:
         finally:
             self._inside = False
         self.steps += 1
-        fields = getattr(self.output_type, "__dataclass_fields__", {})
-        cache_field = "cache" if "cache" in fields else "past_key_values"
-        return self.output_type(logits=logits.unsqueeze(1), **{cache_field: self.cache})
+        # positionally: Transformers may rename keyword arguments of outputs between releases (5.24 maps
+        # ``cache_params=`` to ``cache=``), the field order is what the class itself defines
+        values = {"logits": logits.unsqueeze(1), self.cache_field: self.cache}
+        return self.output_type(*(values.get(name) for name in self.output_type.__dataclass_fields__))
+
+
+def _cache_field(output, cache) -> str | None:
+    """The field of a model output that carries the cache.  Read off the model's own output (the field holding
+    ``cache``, else any ``Cache``), never from a fixed list: Transformers names it ``cache``, ``past_key_values``
+    or ``cache_params`` depending on the model and the release (Mamba-2's is ``cache_params`` in 5.23, ``cache``
+    in 5.24)."""
+    from transformers.cache_utils import Cache
+
+    fields = list(getattr(type(output), "__dataclass_fields__", {}))
+    for match in (lambda v: v is cache, lambda v: isinstance(v, Cache)):
+        found = [name for name in fields if match(getattr(output, name, None))]
+        if found:
+            return found[0]
+    return None
 
 
 def graphed_generate_plan(model, args, kwargs):

@@ -181,3 +181,46 @@ def test_mamba_generate_through_the_graphed_forward_equals_native():
     assert getattr(fused, "_mla_fuser_auto_cache", False)
     assert not install_graphed_generate(fused)  # installed once
     assert torch.equal(fused.generate(ids, max_new_tokens=10, do_sample=False), out)
+
+
+def test_graphed_output_uses_the_models_own_cache_field():
+    """Transformers 5.23's Mamba2CausalLMOutput calls its cache field ``cache_params`` (5.24: ``cache``), and graphed
+    decode crashed there with a TypeError (the field was picked from a fixed pair of names).  A replayed step must
+    build the output with whatever field the model's own output uses: here one named like no release does (5.24's
+    outputs map ``cache_params`` onto ``cache`` themselves, so that exact name cannot be simulated on 5.24)."""
+    import functools
+    from dataclasses import dataclass
+
+    from transformers.cache_utils import Cache
+    from transformers.utils import ModelOutput
+
+    from mla_fuser.decode_graph import GraphedForward
+
+    @dataclass
+    class OlderOutput(ModelOutput):  # the 5.23 layout, under a name no release maps onto another
+        loss: torch.Tensor | None = None
+        logits: torch.Tensor | None = None
+        recurrent_cache: Cache | None = None
+        hidden_states: tuple | None = None
+
+    native = make_model("mamba2")
+    fused = make_model("mamba2")
+    mla_fuser.fuse(fused)
+    real_forward = fused.forward
+
+    @functools.wraps(real_forward)
+    def older_forward(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        return OlderOutput(logits=out.logits, recurrent_cache=kwargs.get(KW))
+
+    fused.forward = older_forward
+    ids = _prompt(length=9, vocab=native.config.vocab_size)
+    cache = DynamicCache(config=fused.config)
+    with torch.no_grad(), GraphedForward(fused, cache) as graphed:
+        prefill = graphed(input_ids=ids, **{KW: cache}, use_cache=True)
+        token = prefill.logits[:, -1].argmax(-1, keepdim=True)
+        step = graphed(input_ids=token, **{KW: cache}, use_cache=True)
+    assert graphed.steps == 1 and type(step) is OlderOutput and step.recurrent_cache is cache
+    with torch.no_grad():
+        ref = native(input_ids=torch.cat([ids, token], 1)).logits[:, -1]
+    torch.testing.assert_close(step.logits[:, -1], ref, atol=1e-4, rtol=1e-4)
