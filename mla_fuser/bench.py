@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from .presets import load_for_cli
+
 
 def _sync(device):
     if device.type == "cuda":
@@ -145,14 +147,12 @@ def _generate_run(model, ids, steps, warm_tokens=8):
 
 
 def run_model_bench(args) -> dict:
-    from .cli import _load
-
-    shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
-    fused, name = _load(args, "vllm_mla")
+    """The benchmark of ``mla-fuser bench``; ``args`` are its parsed arguments (``shapes``: (batch, context) pairs)."""
+    fused, name = load_for_cli(args, "vllm_mla")
     device = fused.get_input_embeddings().weight.device
     native = None
     if not args.skip_native:
-        native, _ = _load(args, "sdpa", fuse=False)
+        native, _ = load_for_cli(args, "sdpa")
     vocab = fused.get_input_embeddings().weight.shape[0]
     result = {
         "model": name, "dtype": args.dtype, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -166,7 +166,7 @@ def run_model_bench(args) -> dict:
     import transformers
 
     result["transformers"] = transformers.__version__
-    for batch, context in shapes:
+    for batch, context in args.shapes:
         gen = torch.Generator().manual_seed(args.seed)
         ids = torch.randint(3, vocab, (batch, context), generator=gen).to(device)
         row = {"batch": batch, "context": context}

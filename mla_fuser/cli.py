@@ -6,36 +6,120 @@ Every command works on the embedded default preset (no download) or on a local c
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 import time
 
 import torch
 
-from .presets import DEFAULT_PRESET, PRESETS, build_preset
+from . import envs
+from .presets import DEFAULT_PRESET, DTYPES, PRESETS, load_for_cli, preset_config
+
+PROG = "mla-fuser"
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # what --device may also be with --model
 
 
-def _dtype(name: str):
-    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-            "float16": torch.float16, "fp16": torch.float16}[name]
+class UsageError(Exception):
+    """A command line that cannot work, found before anything is built; ``main`` prints it as one error line."""
 
 
-def _load(args, attn_implementation: str, fuse: bool = True):
-    """(model, name): a local checkpoint through the drop-in loader, or a preset with seeded weights."""
-    if args.model:
-        from transformers import AutoModelForCausalLM as HFAuto
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``mla-fuser: error: ...`` and exit status 2: the message says what is
+    wrong and what is allowed, ``--help`` has the rest (subcommand parsers inherit the class)."""
 
-        from .fusion import fuse as fuse_model
+    def error(self, message):
+        self.exit(2, f"{PROG}: error: {' '.join(str(message).split())}\n")
 
-        model = HFAuto.from_pretrained(args.model, attn_implementation=attn_implementation, dtype=_dtype(args.dtype),
-                                       device_map=args.device)
-        model.eval()
-        if fuse and attn_implementation == "vllm_mla":
-            fuse_model(model)
-        return model, args.model
-    model = build_preset(args.preset, seed=args.seed, attn_implementation=attn_implementation,
-                         dtype=_dtype(args.dtype), device=args.device, fuse=fuse)
-    return model, args.preset
+
+def _positive_int(text: str) -> int:
+    """argparse type of counts (tokens, steps): zero or a negative count cannot run."""
+    if not (text.strip().isdigit() and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """argparse type of ``--shapes``: ``BATCHxCONTEXT`` pairs of positive integers, comma-separated."""
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
+            raise argparse.ArgumentTypeError(f"{item!r} is not BATCHxCONTEXT: expected positive integers, "
+                                             "comma-separated, e.g. 1x64,4x128")
+        shapes.append((int(parts[0]), int(parts[1])))
+    return shapes
+
+
+def _output_file(text: str) -> str:
+    """argparse type of ``--out``/``--plot``: a file that can be written, checked before a benchmark that may run
+    for minutes rather than after it."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory: expected a file path")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"directory {folder} does not exist: expected a file in an existing directory")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text} is not writable")
+    return text
+
+
+def _check_device(args) -> None:
+    """``--device`` must name a device this torch can use; otherwise it fails deep inside the model build.  With
+    ``--model`` it is a device_map, so Accelerate's strategies (``auto`` ...) are allowed too."""
+    name = args.device
+    if name is None or (args.model and name in DEVICE_MAP_STRATEGIES):
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name!r} is not a device: expected e.g. cpu, cuda or cuda:1") from None
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: this torch sees no CUDA device (torch.cuda.is_available() is False); "
+                         "use --device cpu or leave --device out")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise UsageError(f"--device {name}: there are {count} CUDA device(s): expected cuda:0 to cuda:{count - 1}")
+
+
+def _model_config(args):
+    """The config of the model the command would build, read without building it (a preset's from code, a
+    checkpoint's from its config.json alone), so a wrong ``--model`` fails before any weights load."""
+    if not args.model:
+        return preset_config(args.preset)
+    if not os.path.isdir(args.model):
+        raise UsageError(f"--model {args.model}: no such directory: expected a local checkpoint directory")
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise UsageError(f"--model {args.model}: no config.json there: expected a Transformers checkpoint directory")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--model {args.model}: its config.json cannot be read: {exc}") from None
+
+
+def _check_prompt_ids(args, config) -> None:
+    """Token ids outside the vocabulary fail inside the embedding lookup, after the model is built and fused."""
+    vocab = config.get_text_config().vocab_size
+    bad = [i for i in args.prompt_ids if not 0 <= i < vocab]
+    if bad:
+        raise UsageError(f"--prompt-ids: {', '.join(map(str, bad))} outside the vocabulary of "
+                         f"{args.model or args.preset}: expected ids from 0 to {vocab - 1}")
+
+
+def _check_usage(args) -> None:
+    """Everything about the command line that needs more than one argument, or the model's config, checked before
+    a model is built (single values are checked by the argparse ``type=`` functions)."""
+    _check_device(args)
+    config = _model_config(args)
+    if getattr(args, "prompt_ids", None):
+        _check_prompt_ids(args, config)
+    if getattr(args, "plot", None) and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install 'mla-fuser[plot]'")
 
 
 def _prompt(args, model) -> torch.Tensor:
@@ -52,13 +136,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="local checkpoint directory (no download happens)")
     src.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS),
                      help=f"embedded model with seeded random weights (default {DEFAULT_PRESET})")
-    p.add_argument("--dtype", default="float32", choices=["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"])
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--device", default=None, help="e.g. cuda; default: CPU (or the checkpoint's device_map)")
     p.add_argument("--seed", type=int, default=0)
 
 
 def cmd_generate(args) -> int:
-    model, name = _load(args, "vllm_mla")
+    model, name = load_for_cli(args, "vllm_mla")
     print(f"model: {name}")
     print(model.fusion_report)
     ids = _prompt(args, model)
@@ -72,7 +156,7 @@ def cmd_generate(args) -> int:
     print(f"generated ids: {new}")
     print(f"{len(new)} tokens in {elapsed:.3f} s: {len(new) / elapsed:.1f} tokens/s (fused)")
     if args.check:
-        native, _ = _load(args, "sdpa", fuse=False)
+        native, _ = load_for_cli(args, "sdpa")
         start = time.perf_counter()
         with torch.no_grad():
             ref = native.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
@@ -86,7 +170,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    model, name = _load(args, "vllm_mla")
+    model, name = load_for_cli(args, "vllm_mla")
     print(f"model: {name}")
     print(model.fusion_report)
     if args.show_source:
@@ -117,14 +201,15 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mla-fuser", description=__doc__)
+    parser = _Parser(prog=PROG, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="greedy generation with the fused model")
     _add_model_args(gen)
     gen.add_argument("--prompt-ids", type=int, nargs="+", help="prompt token ids")
-    gen.add_argument("--prompt-len", type=int, default=16, help="random prompt length when no ids are given")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--prompt-len", type=_positive_int, default=16,
+                     help="random prompt length when no ids are given")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=32)
     gen.add_argument("--check", action="store_true", help="also run the native sdpa model and compare tokens")
     gen.set_defaults(func=cmd_generate)
 
@@ -135,10 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="native vs fused decode ms/step, prefill time, peak memory")
     _add_model_args(bench)
-    bench.add_argument("--shapes", default="1x64,4x128", help="comma list of BATCHxCONTEXT (default: CPU-sized)")
-    bench.add_argument("--steps", type=int, default=8, help="decode steps timed per shape")
-    bench.add_argument("--out", help="write the JSON here")
-    bench.add_argument("--plot", help="write a PNG of ms/step against context length (needs matplotlib)")
+    bench.add_argument("--shapes", type=_shapes, default="1x64,4x128",
+                       help="comma list of BATCHxCONTEXT (default: CPU-sized)")
+    bench.add_argument("--steps", type=_positive_int, default=8, help="decode steps timed per shape")
+    bench.add_argument("--out", type=_output_file, help="write the JSON here")
+    bench.add_argument("--plot", type=_output_file,
+                       help="write a PNG of ms/step against context length (needs matplotlib)")
     bench.add_argument("--skip-native", action="store_true")
     bench.add_argument("--generate", action="store_true",
                        help="time Transformers' generate() itself (ms/step from two calls; fused models on CUDA "
@@ -154,8 +241,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run a command; a usage error, or a bad environment variable met anywhere in the command, exits with status 2
+    and one ``mla-fuser: error:`` line instead of a traceback."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        envs.check_all()
+        _check_usage(args)
+        return args.func(args)
+    except (UsageError, envs.SettingError) as exc:
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ PRESETS = {
     ),
 }
 DEFAULT_PRESET = "deepseek-v2-lite-tiny"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
 
 
 def preset_config(name: str = DEFAULT_PRESET, **overrides):
@@ -72,3 +74,21 @@ def build_preset(name: str = DEFAULT_PRESET, *, seed: int = 0, attn_implementati
 
         fuse_model(model)
     return model
+
+
+def load_for_cli(args, attn_implementation: str):
+    """(model, name) from the command line's model arguments (``--model`` or ``--preset``, ``--dtype`` as a
+    ``DTYPES`` name, ``--device``, ``--seed``): a local checkpoint through the package's drop-in loader (fused when
+    ``attn_implementation`` is ``vllm_mla``), or a preset with seeded weights.
+
+    It lives here, not in ``cli``, because ``bench`` takes the same arguments and must not import ``cli``."""
+    dtype = DTYPES[args.dtype]
+    if args.model:
+        from .loader import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=attn_implementation, dtype=dtype,
+                                                     device_map=args.device)
+        return model, args.model
+    model = build_preset(args.preset, seed=args.seed, attn_implementation=attn_implementation, dtype=dtype,
+                         device=args.device)
+    return model, args.preset

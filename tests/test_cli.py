@@ -1,6 +1,14 @@
 """The CLI on the embedded default preset."""
 
+import ast
+import inspect
 import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
 
 from mla_fuser.cli import main
 
@@ -48,3 +56,130 @@ def test_bench_compiled_decode_static_paged_cache(tmp_path):
         torch._dynamo.reset()
     data = json.loads(path.read_text())
     assert data["compile_mode"] == "default" and data["runs"][0]["greedy_tokens_equal"]
+
+
+# ---- usage errors: exit 2, one ``mla-fuser: error:`` line, before any model is built
+
+
+@pytest.fixture
+def no_model_build(monkeypatch):
+    """Make building or loading any model fail the test: usage errors must be found before that."""
+    import mla_fuser.loader
+    import mla_fuser.presets
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built before the usage error was reported")
+
+    monkeypatch.setattr(mla_fuser.presets, "build_preset", built)
+    monkeypatch.setattr(mla_fuser.loader.AutoModelForCausalLM, "from_pretrained", built)
+
+
+def usage_error(capsys, argv) -> str:
+    """Run ``main(argv)`` expecting a usage error; returns its one stderr line."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("mla-fuser: error: ") and captured.err.count("\n") == 1, captured.err
+    assert captured.out == ""
+    return captured.err
+
+
+USAGE_ERRORS = [  # (argv, part of the error line)
+    (["generate", "--max-new-tokens", "-1"], "argument --max-new-tokens: expected a positive integer, got '-1'"),
+    (["generate", "--max-new-tokens", "0"], "argument --max-new-tokens: expected a positive integer, got '0'"),
+    (["generate", "--prompt-len", "0"], "argument --prompt-len: expected a positive integer"),
+    (["generate", "--prompt-len", "-3"], "argument --prompt-len: expected a positive integer"),
+    (["generate", "--prompt-ids", "5", "99999"], "99999 outside the vocabulary of deepseek-v2-lite-tiny: expected "
+                                                 "ids from 0 to 1023"),
+    (["generate", "--prompt-ids", "-1"], "-1 outside the vocabulary"),
+    (["inspect", "--model", "/nonexistent"], "--model /nonexistent: no such directory"),
+    (["bench", "--shapes", "banana"], "argument --shapes: 'banana' is not BATCHxCONTEXT"),
+    (["bench", "--shapes", "1x64,0x8"], "argument --shapes: '0x8' is not BATCHxCONTEXT"),
+    (["bench", "--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
+    (["bench", "--out", "/nonexistent/dir/x.json"], "argument --out: directory /nonexistent/dir does not exist"),
+    (["bench", "--plot", "/nonexistent/dir/x.png"], "argument --plot: directory /nonexistent/dir does not exist"),
+    (["inspect", "--device", "banana"], "--device 'banana' is not a device"),
+    (["inspect", "--bogus"], "unrecognized arguments: --bogus"),
+]
+
+
+@pytest.mark.parametrize("argv, expected", USAGE_ERRORS, ids=[" ".join(argv) for argv, _ in USAGE_ERRORS])
+def test_usage_error(capsys, no_model_build, argv, expected):
+    assert expected in usage_error(capsys, argv)
+
+
+def test_usage_error_model_dir_without_config(capsys, no_model_build, tmp_path):
+    assert "no config.json there" in usage_error(capsys, ["inspect", "--model", str(tmp_path)])
+
+
+def test_usage_error_prompt_ids_outside_checkpoint_vocab(capsys, no_model_build, tmp_path):
+    """A checkpoint's vocabulary comes from its config.json alone (no weights there to load)."""
+    from mla_fuser.presets import preset_config
+
+    preset_config(vocab_size=100).save_pretrained(tmp_path)
+    err = usage_error(capsys, ["generate", "--model", str(tmp_path), "--prompt-ids", "3", "100"])
+    assert "100 outside the vocabulary" in err and "from 0 to 99" in err
+
+
+def test_usage_error_cuda_unavailable(capsys, no_model_build, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for command in ("generate", "inspect", "bench"):
+        assert "--device cuda: this torch sees no CUDA device" in usage_error(capsys, [command, "--device", "cuda"])
+
+
+def test_usage_error_plot_without_matplotlib(capsys, no_model_build, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec answers None: not installed
+    assert "--plot needs matplotlib" in usage_error(capsys, ["bench", "--plot", str(tmp_path / "x.png")])
+
+
+@pytest.mark.parametrize("name, value", [("MLA_FUSER_BACKEND", "cuda"), ("VLLM_MLA_DISABLE", "maybe")])
+def test_usage_error_bad_environment_variable(capsys, no_model_build, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    assert f"{name}={value!r} is not valid" in usage_error(capsys, ["inspect"])
+
+
+def test_setting_error_inside_a_command_is_one_line(capsys, monkeypatch):
+    """A SettingError met while the command runs (not only in the up-front check) is reported the same way."""
+    import mla_fuser.presets
+    from mla_fuser.envs import SettingError
+
+    def build(*args, **kwargs):
+        raise SettingError("MLA_FUSER_BACKEND='cuda' is not valid: expected one of triton, torch (or unset)")
+
+    monkeypatch.setattr(mla_fuser.presets, "build_preset", build)
+    assert "MLA_FUSER_BACKEND='cuda' is not valid" in usage_error(capsys, ["inspect"])
+
+
+def test_console_script_usage_error_has_no_traceback():
+    script = os.path.join(os.path.dirname(sys.executable), "mla-fuser")
+    if not os.path.exists(script):
+        pytest.skip("the mla-fuser console script is not installed next to this Python")
+    env = dict(os.environ, MLA_FUSER_BACKEND="cuda")
+    proc = subprocess.run([script, "inspect"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr == ("mla-fuser: error: MLA_FUSER_BACKEND='cuda' is not valid: expected one of triton, torch "
+                           "(or unset)\n")
+
+
+def test_model_dir_loads_through_the_package_loader(capsys, tmp_path):
+    """``--model DIR`` goes through ``mla_fuser.AutoModelForCausalLM``: the checkpoint comes back fused."""
+    from mla_fuser.presets import build_preset
+
+    build_preset(fuse=False, attn_implementation="sdpa").save_pretrained(tmp_path)
+    assert main(["inspect", "--model", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"model: {tmp_path}" in out
+    assert re.search(r"layers\.0\.self_attn\s+DeepseekV2Attention\s+mla\s+fused", out)
+
+
+def test_bench_does_not_import_cli():
+    """The model loader is shared through ``presets``, so ``bench`` and ``cli`` form no import cycle."""
+    import mla_fuser.bench
+
+    tree = ast.parse(inspect.getsource(mla_fuser.bench))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not {"cli", "mla_fuser.cli"} & imported
