@@ -32,6 +32,8 @@ import math
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
+from .compat import ATTENTION_NAME, attention_implementation
+
 PAGED_ATTR = "_mla_fuser_paged"
 
 
@@ -144,6 +146,44 @@ class PagedLatentLayer(CacheLayerMixin):
         self.seq_lens: torch.Tensor | None = None  # int32 [B]
         self.rank = None
 
+    # ------------------------------------------------------------------ what native MLA caches expose
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The cached latent ``kv_c`` ``[B, 1, T, kv_lora_rank]``, as Transformers' own MLA caches hold it; read back
+        from the pages at each access (a copy: writing to it changes nothing).  None while nothing is cached."""
+        latent = self._read_back()
+        return None if latent is None else latent[..., : self.rank].unsqueeze(1)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The cached rotary key ``k_pe`` ``[B, 1, T, rope]`` (see ``keys``)."""
+        latent = self._read_back()
+        return None if latent is None else latent[..., self.rank:].unsqueeze(1)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._refuse_assignment("keys", value)
+
+    @values.setter
+    def values(self, value) -> None:
+        self._refuse_assignment("values", value)
+
+    @staticmethod
+    def _refuse_assignment(name: str, value) -> None:
+        if value is not None:  # (the base class initialises both to None)
+            raise AttributeError(f"PagedLatentLayer.{name} is read back from the pages and cannot be assigned")
+
+    def _read_back(self) -> torch.Tensor | None:
+        if self.pool is None or not self.host_lens or self.get_seq_length() == 0:
+            return None
+        return self.gather()
+
+    def offload(self) -> None:
+        """Pages stay on the layer's device (the base class would move ``keys``/``values``, which are views here)."""
+
+    def prefetch(self) -> None:
+        """See ``offload``."""
+
     # ------------------------------------------------------------------ set-up
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -210,11 +250,17 @@ class PagedLatentLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, _, new, _ = key_states.shape
-        self._ensure_batch(batch)
-        if any(n != self.host_lens[0] for n in self.host_lens):
-            raise RuntimeError("paged latent cache: sequences of one batch must advance together")
-        target = [n + new for n in self.host_lens]
-        self._reserve(target)
+        first_write = not self.host_tables
+        try:
+            self._ensure_batch(batch)
+            if any(n != self.host_lens[0] for n in self.host_lens):
+                raise RuntimeError("paged latent cache: sequences of one batch must advance together")
+            target = [n + new for n in self.host_lens]
+            self._reserve(target)
+        except CachePoolExhausted:
+            if first_write:  # the cache's first forward failed: leave the whole cache as new (any batch may follow)
+                self.cache.forget_failed_first_forward()
+            raise
         from .attention_interfaces.paged import on_device
         from .kernels.paged_cache_ops import paged_append
 
@@ -377,6 +423,16 @@ class PagedLatentCache(DynamicCache):
             elif idx >= len(self.layers):
                 raise ValueError(f"layer {idx} is not a layer of this model's cache")
 
+    def forget_failed_first_forward(self) -> None:
+        """Undo what a first forward that failed part way (``CachePoolExhausted``) left behind: paged layers hold no
+        sequence again, and plain dynamic layers that an earlier layer of that forward filled are made new.  Without
+        this, the cache stays fixed at the failed batch size and every later request of another size fails."""
+        for idx, layer in enumerate(self.layers):
+            if isinstance(layer, PagedLatentLayer):
+                layer.reset()
+            elif type(layer) is DynamicLayer and layer.is_initialized:
+                self.layers[idx] = DynamicLayer()
+
     def set_left_padding(self, starts) -> None:
         """Sequence ``b`` holds ``starts[b]`` padding tokens at its beginning: decode steps without an attention
         mask (``DecodeGraph``, graphed ``generate``) attend from there on, in the decode kernel.  Set it before the
@@ -469,7 +525,8 @@ def install_auto_paged_cache(model) -> bool:
     def generate_with_paged_cache(self, *args, **kwargs):
         config = kwargs.get("generation_config") or self.generation_config
         wants_default = (
-            kwargs.get("cache") is None and kwargs.get("past_key_values") is None
+            attention_implementation(self) == ATTENTION_NAME  # (switched away after fusion: the latent is expanded)
+            and kwargs.get("cache") is None and kwargs.get("past_key_values") is None
             and kwargs.get("cache_implementation", getattr(config, "cache_implementation", None)) is None
             and kwargs.get("use_cache", getattr(config, "use_cache", True)) is not False
         )

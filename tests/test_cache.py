@@ -241,3 +241,47 @@ def test_decode_step_compiles_fullgraph_over_static_paged_cache():
         torch._dynamo.reset()
     assert torch.equal(eager, compiled)
     assert counters["stats"]["unique_graphs"] <= 2
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_failed_first_prefill_leaves_the_cache_usable_for_any_batch(static):
+    """A first prefill the pool cannot hold raises and stores nothing; the cache is then as new: a smaller batch
+    (or another batch size) runs and equals native."""
+    native, fused = _pair()
+    big, big_mask = _prompts([30, 30], seed=4)
+    ids, mask = _prompts([5], seed=5)
+    if static:
+        cache = PagedLatentCache(fused, page_size=4, static=True, max_seq_len=20, max_cache_tokens=24)
+    else:
+        cache = PagedLatentCache(fused, page_size=4, max_cache_tokens=40)
+    with torch.no_grad(), pytest.raises(CachePoolExhausted):
+        fused(input_ids=big, attention_mask=big_mask, **{KW: cache}, use_cache=True)
+    assert cache.get_seq_length() == 0
+    assert all(len(p.free) == p.num_pages for p in cache.pools.values())
+    out = fused.generate(ids, attention_mask=mask, **{KW: cache}, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, native.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
+
+
+def test_paged_cache_exposes_the_latent_as_keys_and_values_like_native():
+    """After a fused ``generate``, ``cache.layers[i].keys`` / ``.values`` hold the latent in native's layout
+    (``[B, 1, T, kv_lora_rank]``, ``[B, 1, T, rope]``), read back from the pages, equal to native's own cache."""
+    native, fused = _pair()
+    ids, mask = _prompts([7, 4], seed=6)
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = fused.generate(ids, **kwargs)
+        ref = native.generate(ids, **kwargs)
+    cache, ref_cache = out.past_key_values, ref.past_key_values
+    assert isinstance(cache, PagedLatentCache) and torch.equal(out.sequences, ref.sequences)
+    # padding positions hold whatever a fully masked query row produced in the layer below: compare real tokens
+    real = torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype)], 1).bool()
+    for layer, ref_layer in zip(cache.layers, ref_cache.layers):
+        assert isinstance(layer, PagedLatentLayer)
+        assert layer.keys.shape == ref_layer.keys.shape == (2, 1, ids.shape[1] + 4, 16)
+        assert layer.values.shape == ref_layer.values.shape == (2, 1, ids.shape[1] + 4, 4)
+        torch.testing.assert_close(layer.keys[:, 0][real], ref_layer.keys[:, 0][real], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.values[:, 0][real], ref_layer.values[:, 0][real], atol=1e-5, rtol=1e-5)
+    empty = PagedLatentCache(fused)
+    assert empty.layers[0].keys is None and empty.layers[0].values is None
+    with pytest.raises(AttributeError, match="read back from the pages"):
+        cache.layers[0].keys = torch.zeros(1)

@@ -3,9 +3,8 @@
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..compat import ATTENTION_NAME
 from .vllm_mla import fused_mla_attention, padded_attention, vllm_mla_attention
-
-ATTENTION_NAME = "vllm_mla"
 
 
 def register() -> None:
