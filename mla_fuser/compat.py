@@ -15,3 +15,47 @@ def attention_implementation(module) -> str | None:
     ``config._attn_implementation`` change it at run time), or None when the module has no config."""
     config = getattr(module, "config", None)
     return None if config is None else getattr(config, "_attn_implementation", None)
+
+
+# What each feature needs of Transformers (first release where it works; checked by running the test suite on the
+# releases named).  The package as a whole supports >=5.17,<6 (``SUPPORTED``); the README's table repeats this.
+SUPPORTED = ((5, 17), (6, 0))
+FEATURE_MIN_VERSION = {
+    "mla": (5, 17),
+    "moe": (5, 17),
+    "norm": (5, 17),
+    # the mixers keep their states through Cache.get_conv_state / get_recurrent_state, first in 5.21
+    "mamba": (5, 21),
+}
+MAMBA_CACHE_METHODS = ("get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state")
+
+
+def transformers_version() -> tuple[int, int]:
+    """``(major, minor)`` of the installed Transformers."""
+    import transformers
+
+    parts = []
+    for piece in transformers.__version__.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def missing_mamba_cache_methods() -> list[str]:
+    """The cache methods Mamba fusion needs that the installed ``Cache`` lacks (all present from 5.21)."""
+    from transformers.cache_utils import Cache
+
+    return [m for m in MAMBA_CACHE_METHODS if not hasattr(Cache, m)]
+
+
+def disabled_features() -> dict[str, str]:
+    """Feature -> why the installed Transformers disables it (empty when every feature works)."""
+    import transformers
+
+    out = {}
+    missing = missing_mamba_cache_methods()
+    if missing:
+        low = ".".join(map(str, FEATURE_MIN_VERSION["mamba"]))
+        out["mamba"] = (f"transformers {transformers.__version__} is older than Mamba fusion needs (>={low}: its Cache "
+                        f"lacks {missing}); Mamba mixers run unfused")
+    return out

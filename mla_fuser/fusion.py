@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from . import attention_interfaces  # noqa: F401  (registers vllm_mla)
-from . import envs
+from . import compat, envs
 from .fusers.base import FusionReport, FusionRow
 from .fusers.mla import PLAN_ATTR, MLAFuser, apply_mla
-from .graph import rmsnorm_width
+from .graph import TRACE_LOCK, is_linear, rmsnorm_width
 
 ATTENTION_NAME = attention_interfaces.ATTENTION_NAME
-SUPPORTED_TRANSFORMERS = ((5, 17), (6, 0))
+SUPPORTED_TRANSFORMERS = compat.SUPPORTED
 _warned_disabled = False
 
 
@@ -26,22 +26,17 @@ def mla_disabled() -> bool:
 def transformers_supported() -> tuple[bool, str]:
     import transformers
 
-    parts = []
-    for piece in transformers.__version__.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    version = tuple(parts)
     low, high = SUPPORTED_TRANSFORMERS
-    ok = low <= version < high
-    return ok, transformers.__version__
+    return low <= compat.transformers_version() < high, transformers.__version__
 
 
 def _mla_candidate(module: nn.Module) -> bool:
-    """Cheap pre-filter: at least three linear children and one RMSNorm-by-computation child."""
+    """Cheap pre-filter: at least three linear children (or adapter layers around linears, e.g. PEFT LoRA: the
+    fused MLA forward calls those as themselves) and one RMSNorm-by-computation child."""
     children = list(module.children())
-    if sum(isinstance(c, nn.Linear) for c in children) < 3:
+    if sum(is_linear(c, adapters=True) for c in children) < 3:
         return False
-    return any(rmsnorm_width(c) for c in children if not isinstance(c, nn.Linear))
+    return any(rmsnorm_width(c) for c in children if not is_linear(c, adapters=True))
 
 
 def _block_fusers() -> list:
@@ -127,7 +122,15 @@ def _switch_attention(model: nn.Module, report: FusionReport) -> bool:
 
 
 def fuse(model: nn.Module) -> FusionReport:
-    """Fuse ``model`` in place (idempotent) and return the report, also kept as ``model.fusion_report``."""
+    """Fuse ``model`` in place (idempotent) and return the report, also kept as ``model.fusion_report``.
+
+    Thread-safe: fusions in several threads run one after the other (``graph.TRACE_LOCK``), since tracing
+    patches process-wide state and the match caches are shared by the process."""
+    with TRACE_LOCK:
+        return _fuse(model)
+
+
+def _fuse(model: nn.Module) -> FusionReport:
     global _warned_disabled
     existing = getattr(model, "fusion_report", None)
     if isinstance(existing, FusionReport) and getattr(model, "_mla_fuser_done", False):
@@ -153,6 +156,9 @@ def fuse(model: nn.Module) -> FusionReport:
             _warned_disabled = True
     block_fusers = _block_fusers()
     block_names = {f: [n for n, m in model.named_modules() if n and f.is_candidate(m)] for f in block_fusers}
+    disabled_by_version = compat.disabled_features()
+    report.notes.extend(why for f, names in block_names.items() if names
+                        for feature, why in disabled_by_version.items() if f.name == feature)
     claimed = set().union(*block_names.values()) if block_names else set()
     # a module another family claims (a Mamba mixer has linears and a norm too) is not an MLA candidate
     names = [n for n, m in model.named_modules() if n and n not in claimed and _mla_candidate(m)]
@@ -196,20 +202,22 @@ def fuse(model: nn.Module) -> FusionReport:
                 report.rows.append(fuser.apply(module, match, name))
     if not report.fused("mla") and not disabled:
         report.notes.append("no MLA module fused: every attention call runs padded full attention")
-    elif report.fused("mla") and hasattr(model, "generate"):
+    # generate() of a PEFT model calls its base model's: that is the instance whose generate we extend
+    host = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if report.fused("mla") and hasattr(host, "generate"):
         from .cache import install_auto_paged_cache
 
-        if install_auto_paged_cache(model):
+        if install_auto_paged_cache(host):
             report.notes.append("generate() uses a paged latent cache unless another cache is requested")
-    if report.fused("mamba") and not report.fused("mla") and hasattr(model, "generate"):
+    if report.fused("mamba") and not report.fused("mla") and hasattr(host, "generate"):
         from .decode_graph import install_graphed_generate
 
-        if install_graphed_generate(model):
+        if install_graphed_generate(host):
             report.notes.append("generate() replays decode steps from a CUDA graph on CUDA (states only cache)")
     if report.fused("moe"):
         from .fusers.moe import install_generate_keeping_fused_experts
 
-        if install_generate_keeping_fused_experts(model):
+        if install_generate_keeping_fused_experts(host):
             report.notes.append("generate() keeps the fused experts for its decode steps (no batched_mm swap)")
     _attach(model, report)
     object.__setattr__(model, "_mla_fuser_done", True)

@@ -32,6 +32,7 @@ import contextlib
 import dis
 import inspect
 import operator
+import threading
 import typing
 import warnings
 from dataclasses import dataclass, field
@@ -41,6 +42,12 @@ import torch.fx as fx
 from torch import nn
 
 TRACE_ATTENTION_NAME = "mla_fuser_trace"
+
+# fx tracing patches ``nn.Module.__call__`` / ``__getattr__`` and module globals for the whole process while it
+# runs, and torch keeps one current patcher: two traces in two threads interleave their patches (one leaves the
+# other's behind for good) or fail outright.  Every trace, and every ``fuse`` (which traces and fills caches shared
+# by the process), holds this lock; re-entrant because a trace may trace a child (RMSNorm by computation).
+TRACE_LOCK = threading.RLock()
 
 # ops that only move or re-view data: data flow "through" them keeps the same tensor identity for our purposes
 SHAPE_OPS_METHODS = {
@@ -549,7 +556,7 @@ def run_trace(module, tracer, concrete_args, hidden_name, hidden_size) -> Traced
     left exactly as it was (attention implementation restored, fx constants removed)."""
     attrs_before = set(module.__dict__)
     try:
-        with _attention_traced_opaquely(module), warnings.catch_warnings():
+        with TRACE_LOCK, _attention_traced_opaquely(module), warnings.catch_warnings():
             # fx warns that it cannot guard concrete container arguments (a dict of shared KV states): the
             # graph is analysed, never run, so specialisation on them is harmless
             warnings.filterwarnings("ignore", message="Was not able to add assertion", category=UserWarning)
@@ -585,9 +592,26 @@ def is_attention_node(node: fx.Node) -> bool:
     )
 
 
-def is_linear(module: nn.Module | None) -> bool:
-    """A linear projection: ``nn.Linear`` or a subclass (quantised/parallel linears subclass it too)."""
-    return isinstance(module, nn.Linear)
+def is_linear(module: nn.Module | None, adapters: bool = False) -> bool:
+    """A linear projection: ``nn.Linear`` or a subclass (quantised/parallel linears subclass it too).
+
+    ``adapters=True`` also accepts an adapter layer around one (``base_linear``).  Only for a family whose fused
+    code calls such a projection as itself (MLA): a family that reads the weights would drop the adapters."""
+    return base_linear(module) is not None if adapters else isinstance(module, nn.Linear)
+
+
+def base_linear(module: nn.Module | None) -> nn.Linear | None:
+    """The ``nn.Linear`` that ``module`` is, or wraps as ``base_layer`` (PEFT's adapter layers keep the original
+    linear there and add their low-rank terms around it; its in/out features are the wrapper's); else None."""
+    while module is not None and not isinstance(module, nn.Linear):
+        module = getattr(module, "base_layer", None)
+    return module
+
+
+def is_plain_linear(module: nn.Module | None) -> bool:
+    """An ``nn.Linear`` that wraps nothing: its ``weight`` (and bias) is all it computes with, so fused code may
+    read them instead of calling it.  An adapter layer (``base_linear``) adds terms its base weight does not hold."""
+    return isinstance(module, nn.Linear) and getattr(module, "base_layer", None) is None
 
 
 def is_shape_op(node: fx.Node) -> bool:
@@ -677,10 +701,11 @@ def reaches(start: fx.Node, target: fx.Node, stop=None) -> bool:
     return False
 
 
-def linear_feeding_output(traced: TracedModule) -> fx.Node | None:
-    """The single linear nearest to the forward's output (the output projection), or None."""
+def linear_feeding_output(traced: TracedModule, adapters: bool = False) -> fx.Node | None:
+    """The single linear nearest to the forward's output (the output projection), or None (``adapters``: as in
+    ``is_linear``)."""
     out = traced.output
-    lin = nearest_upstream(traced, out, lambda n: is_linear(traced.submodule(n)))
+    lin = nearest_upstream(traced, out, lambda n: is_linear(traced.submodule(n), adapters))
     lin = list(dict.fromkeys(lin))
     return lin[0] if len(lin) == 1 else None
 
@@ -711,12 +736,11 @@ def rmsnorm_width(module: nn.Module | None) -> int | None:
     if weight is None:
         return None
     key = (type(module), tuple(weight.shape))
-    if key in _RMSNORM_CACHE:
+    with TRACE_LOCK:
+        if key not in _RMSNORM_CACHE:
+            width = int(weight.shape[0])
+            _RMSNORM_CACHE[key] = width if _computes_rmsnorm(module, width) else None
         return _RMSNORM_CACHE[key]
-    width = int(weight.shape[0])
-    result = width if _computes_rmsnorm(module, width) else None
-    _RMSNORM_CACHE[key] = result
-    return result
 
 
 def _computes_rmsnorm(module: nn.Module, width: int) -> bool:

@@ -21,6 +21,7 @@ views into it, so memory is not doubled and ``state_dict()`` keeps the original 
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import linecache
 import sys
@@ -30,6 +31,9 @@ import types
 import libcst as cst
 import torch
 from torch import nn
+
+from .compat import ATTENTION_NAME, attention_implementation
+from .graph import is_plain_linear
 
 
 class RewriteError(Exception):
@@ -63,6 +67,15 @@ class StackedLinear:
     dtype move, a checkpoint load that swaps parameters), the aliasing check at the next call notices and
     re-stacks once; in-place loads (``load_state_dict``) write through the views directly.
 
+    ``owner``/``names``: where the rewritten forward's module holds the two projections.  Each call takes what is
+    there *now*: a projection replaced since (PEFT's ``get_peft_model`` puts a LoRA layer around it, ``unload``
+    puts it back) is noticed by identity, and anything but two plain linears (``graph.is_plain_linear``) is
+    called as itself, so adapters always run; two plain linears are (re-)stacked.
+
+    Under ``torch.compile`` the two projections are always called as themselves: a compiled graph is replayed
+    without re-running this Python, so the aliasing check could not notice a dtype move or an assigning load made
+    after compilation, and a stored stack would silently be stale.  Correctness over the one-GEMM saving.
+
     Multi-device: the two linears are called as themselves (hooks and all, no stacking) whenever the stacked GEMM
     would bypass something their own forward does: weights on ``meta`` (accelerate offload: the module's hook
     loads them per call; stacking them would also keep a copy of offloaded weights alive), weights on another
@@ -70,12 +83,18 @@ class StackedLinear:
     them), or a tensor-parallel style hooked on them while gradients are recorded (its backward collectives).
     """
 
-    def __init__(self, first: nn.Linear, second: nn.Linear):
+    def __init__(self, first: nn.Module, second: nn.Module, owner: nn.Module | None = None,
+                 names: tuple[str, str] | None = None):
         self.first, self.second = first, second
-        self.sizes = [first.out_features, second.out_features]
+        self.owner, self.names = owner, names
         self.weight = None
         self.bias = None
         self.restack()
+
+    def _current(self) -> tuple[nn.Module, nn.Module]:
+        if self.owner is None:
+            return self.first, self.second
+        return self.owner.get_submodule(self.names[0]), self.owner.get_submodule(self.names[1])
 
     def _aliased(self) -> bool:
         w = self.weight
@@ -102,15 +121,17 @@ class StackedLinear:
     @torch.no_grad()
     def restack(self) -> None:
         a, b = self.first, self.second
+        self.weight = self.bias = None
+        if not (is_plain_linear(a) and is_plain_linear(b)):
+            return
         if a.weight.device.type == "meta" or b.weight.device.type == "meta" or _is_dtensor(a.weight) \
                 or _is_dtensor(b.weight) or a.weight.device != b.weight.device:
-            self.weight = self.bias = None
             return
+        self.sizes = [a.out_features, b.out_features]
         weight = torch.cat([a.weight.detach(), b.weight.detach()], dim=0)
         a.weight.data = weight[: self.sizes[0]]
         b.weight.data = weight[self.sizes[0]:]
         self.weight = weight
-        self.bias = None
         if a.bias is not None or b.bias is not None:
             zeros = lambda lin: torch.zeros(lin.out_features, dtype=weight.dtype, device=weight.device)  # noqa: E731
             bias = torch.cat([
@@ -124,31 +145,33 @@ class StackedLinear:
             self.bias = bias
 
     def __call__(self, x: torch.Tensor):
-        if torch.compiler.is_compiling():
-            # traced by torch.compile: storage checks cannot be traced, and weights do not change between
-            # the steps of one compiled graph; use the stack built (and checked) by eager calls, if any
-            if self.weight is None or self.weight.device != x.device:
-                return self.first(x), self.second(x)
-            return tuple(nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+        first, second = self._current()
+        if torch.compiler.is_compiling() or not (is_plain_linear(first) and is_plain_linear(second)):
+            return first(x), second(x)
+        if first is not self.first or second is not self.second:  # replaced since stacked: drop the stale stack
+            self.first, self.second = first, second
+            self.weight = self.bias = None
         if self._direct(x):
             if self.weight is not None and not self._aliased():
                 self.weight = self.bias = None  # the originals were replaced (e.g. offloaded): hold no stale copy
-            return self.first(x), self.second(x)
+            return first(x), second(x)
         if not self._aliased():
             self.restack()
         if self.weight is None:  # weights that cannot be stacked
-            return self.first(x), self.second(x)
+            return first(x), second(x)
         weight = self.weight
-        if self.first.weight.requires_grad and torch.is_grad_enabled():
+        if first.weight.requires_grad and torch.is_grad_enabled():
             # training: gradients must reach the original parameters, so use them (a cat, not a view)
-            weight = torch.cat([self.first.weight, self.second.weight])
+            weight = torch.cat([first.weight, second.weight])
         out = nn.functional.linear(x, weight, self.bias)
         return tuple(out.split(self.sizes, dim=-1))
 
     def __deepcopy__(self, memo):
         import copy
 
-        return StackedLinear(copy.deepcopy(self.first, memo), copy.deepcopy(self.second, memo))
+        # the owner is usually being copied already (its ``__dict__`` holds this object): ``memo`` has its copy
+        return StackedLinear(copy.deepcopy(self.first, memo), copy.deepcopy(self.second, memo),
+                             copy.deepcopy(self.owner, memo), self.names)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -415,6 +438,11 @@ def _check_later_uses(stmts: list[cst.CSTNode], names: list[str]) -> None:
     """Key/value names may only be call arguments or asked for batch/sequence sizes afterwards."""
     for stmt in stmts:
         if set(names) & _assigned_names(stmt):
+            if _find_calls(stmt, lambda c: isinstance(c.func, cst.Attribute) and c.func.attr.value == "update"
+                           and any(isinstance(a.value, cst.Name) and a.value.value in names for a in c.args)):
+                # (the DSA architectures of Transformers 5.17 cache K/V after expanding them; from 5.18 the latent)
+                raise RewriteError("the forward caches the expanded key/value states, not the latent: there is no "
+                                   "latent to attend over (this architecture caches its latent from transformers 5.18)")
             raise RewriteError("key/value states are reassigned after the expansion")
         allowed: set[int] = set()
         for node in _walk(stmt):
@@ -455,14 +483,30 @@ def compile_forward(module: nn.Module, new_source: str, owner: type):
     return fns[0]
 
 
+def _routed_by_attention_implementation(fused, unfused):
+    """The instance forward: the rewritten one while the model's attention implementation is ``vllm_mla``, the
+    class's own otherwise.  The rewritten forward hands the latent to whatever function the config names, so after
+    ``set_attn_implementation("eager")`` (assisted-decoding tests do this) it must not run: the class's forward
+    expands K/V as Transformers does and the chosen function gets what it expects."""
+
+    @functools.wraps(fused)
+    def forward(self, *args, **kwargs):
+        if attention_implementation(self) not in (None, ATTENTION_NAME):
+            return unfused(self, *args, **kwargs)
+        return fused(self, *args, **kwargs)
+
+    return forward
+
+
 def rewrite_mla_forward(module: nn.Module, match) -> str:
     """Rewrite ``module``'s forward in place (instance only); returns the unified diff of the source."""
     original, new_source, owner = build_rewritten_source(module, match)
     fn = compile_forward(module, new_source, owner)
     if match.q_a_proj is not None:
-        stacked = StackedLinear(module.get_submodule(match.q_a_proj), module.get_submodule(match.kv_a_proj))
+        names = (match.q_a_proj, match.kv_a_proj)
+        stacked = StackedLinear(*(module.get_submodule(n) for n in names), owner=module, names=names)
         object.__setattr__(module, STACKED_ATTR, stacked)
-    bound = types.MethodType(fn, module)
+    bound = types.MethodType(_routed_by_attention_implementation(fn, type(module).forward), module)
     if getattr(module, "_hf_hook", None) is not None and "_old_forward" in module.__dict__:
         # an accelerate hook (``device_map`` dispatch, offload) wraps this instance's forward: replace what it
         # wraps, so the hook keeps running around the fused forward (and ``remove_hook_from_module`` restores it)

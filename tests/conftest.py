@@ -40,3 +40,17 @@ def left_padded_prompts(lengths, vocab=128, seed=0):
         ids[b, longest - n:] = torch.randint(3, vocab, (n,), generator=gen)
         mask[b, longest - n:] = 1
     return ids, mask
+
+
+def _mamba_fusion_missing() -> str:
+    from mla_fuser import compat
+
+    return ", ".join(compat.missing_mamba_cache_methods())
+
+
+# tests that need the Mamba fuser to fuse (Transformers >= 5.21: the mixers' states live in the cache API); on older
+# releases the fuser declines every mixer with a report row (tested in test_settings.py)
+needs_mamba_fusion = pytest.mark.skipif(
+    bool(_mamba_fusion_missing()),
+    reason=f"the installed Transformers' Cache lacks {_mamba_fusion_missing()}: Mamba fusion needs >=5.21",
+)

@@ -285,3 +285,15 @@ def test_paged_cache_exposes_the_latent_as_keys_and_values_like_native():
     assert empty.layers[0].keys is None and empty.layers[0].values is None
     with pytest.raises(AttributeError, match="read back from the pages"):
         cache.layers[0].keys = torch.zeros(1)
+
+
+def test_compiled_left_padding_check_fails_loudly_on_other_masks():
+    """Under torch.compile the decode step cannot branch on its mask (Transformers 5.17 hands compiled steps one):
+    left padding is assumed and asserted on the device, so any other mask is an error, never a wrong answer."""
+    from mla_fuser.attention_interfaces.vllm_mla import left_padding_of
+
+    compiled = torch.compile(left_padding_of, fullgraph=True, backend="eager")
+    left = torch.tensor([[False, True, True], [True, True, True]])
+    assert torch.equal(compiled(left), torch.tensor([1, 0], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="not left padding"):
+        compiled(torch.tensor([[True, True, False], [True, True, True]]))

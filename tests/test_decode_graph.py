@@ -9,7 +9,7 @@ import mla_fuser
 from mla_fuser import DecodeGraph
 from mla_fuser.cache import CachePoolExhausted, PagedLatentCache
 
-from conftest import tiny_deepseek
+from conftest import needs_mamba_fusion, tiny_deepseek
 from tiny_mamba_configs import make_model
 
 from mla_fuser.cache import cache_keyword
@@ -54,6 +54,7 @@ def test_graph_steps_equal_native_generate(arch):
     assert torch.equal(tokens, ref)
 
 
+@needs_mamba_fusion
 def test_mamba2_graph_steps_equal_native_generate():
     native = make_model("mamba2")
     fused = make_model("mamba2")
@@ -165,6 +166,7 @@ def test_generate_shape_for_single_beam_unpadded_or_left_padded_calls():
     assert graphed_generate_plan(fused, (ids,), dict(max_new_tokens=20)) is None  # CPU: no graphs
 
 
+@needs_mamba_fusion
 def test_mamba_generate_through_the_graphed_forward_equals_native():
     from mla_fuser.decode_graph import GraphedForward, install_graphed_generate
 
@@ -183,6 +185,7 @@ def test_mamba_generate_through_the_graphed_forward_equals_native():
     assert torch.equal(fused.generate(ids, max_new_tokens=10, do_sample=False), out)
 
 
+@needs_mamba_fusion
 def test_graphed_output_uses_the_models_own_cache_field():
     """Transformers 5.23's Mamba2CausalLMOutput calls its cache field ``cache_params`` (5.24: ``cache``), and graphed
     decode crashed there with a TypeError (the field was picked from a fixed pair of names).  A replayed step must

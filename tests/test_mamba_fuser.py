@@ -13,6 +13,7 @@ from torch import nn
 import mla_fuser
 from mla_fuser.fusers import mamba as mamba_mod
 from mla_fuser.fusers.base import Fuser
+from conftest import needs_mamba_fusion
 from mla_fuser.fusers.mamba import MambaFuser
 from mla_fuser.kernels import causal_conv1d as conv_kernels
 from mla_fuser.kernels import selective_scan as scan_kernels
@@ -64,6 +65,7 @@ def _counting_kernels(monkeypatch):
 # ---------------------------------------------------------------- every architecture, fused vs native
 
 
+@needs_mamba_fusion
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_architecture_fused_matches_native(arch):
     native, fused = make_model(arch), make_model(arch)
@@ -96,6 +98,7 @@ def test_architecture_fused_matches_native(arch):
     assert torch.equal(_generate(fused, ids, mask), expected)
 
 
+@needs_mamba_fusion
 def test_decode_is_one_update_per_token_per_layer(monkeypatch):
     """Prefill runs the conv + scan once per mixer; each further token one conv update + one state update."""
     for arch, scan, update in (("mamba", "scan", "scan_update"), ("mamba2", "ssd", "ssd_update")):
@@ -108,6 +111,7 @@ def test_decode_is_one_update_per_token_per_layer(monkeypatch):
         assert counts == {"conv": layers, scan: layers, "conv_update": 5 * layers, update: 5 * layers}, arch
 
 
+@needs_mamba_fusion
 def test_fuse_is_idempotent_and_apply_twice_is_a_no_op():
     model = make_model("mamba2")
     first = mla_fuser.fuse(model)
@@ -119,6 +123,7 @@ def test_fuse_is_idempotent_and_apply_twice_is_a_no_op():
     assert set(model.state_dict()) == set(make_model("mamba2").state_dict())
 
 
+@needs_mamba_fusion
 def test_training_mode_runs_the_original_forward(monkeypatch):
     model = make_model("mamba2")
     mla_fuser.fuse(model)
@@ -163,6 +168,7 @@ def test_backend_flag_is_respected(monkeypatch):
         model(input_ids=_inputs()[0])
 
 
+@needs_mamba_fusion
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 def test_triton_kernels_under_interpreter(arch, monkeypatch):
     """The fused forward runs the Triton kernels (interpreted on CPU) and still equals native."""
@@ -252,6 +258,7 @@ class Zebra(nn.Module):
         return out * 1.5 if self.extra else out
 
 
+@needs_mamba_fusion
 def test_roles_by_structure_under_any_names():
     Fuser.cache_clear()
     zebra = Zebra()
@@ -314,12 +321,14 @@ def test_attention_does_not_match():
     assert MambaFuser.match(attention) is None
 
 
+@needs_mamba_fusion
 def test_unaccounted_operation_declines_with_reason():
     Fuser.cache_clear()
     match, reason = MambaFuser.explain(Zebra(extra=True))
     assert match is None and reason.startswith("unaccounted operation on the way to the output") and "mul" in reason
 
 
+@needs_mamba_fusion
 def test_unaccounted_parameter_declines_with_reason():
     zebra = Zebra()
     zebra.register_parameter("omega", nn.Parameter(torch.zeros(3)))

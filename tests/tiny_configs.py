@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 
 import torch
@@ -123,6 +124,11 @@ def _accepted_keys(cfg_cls) -> set[str]:
         except Exception:  # a per-layer attribute: it exists
             keys.add(k)
     return keys
+
+
+def available(arch: str) -> bool:
+    """Whether the installed Transformers ships this architecture (5.17 lacks a few that 5.2x added)."""
+    return importlib.util.find_spec(f"transformers.models.{ARCHS[arch]['module']}") is not None
 
 
 def classes(arch: str):

@@ -2,7 +2,8 @@
 
 * decode (one new token per sequence, no mask or a left-padding mask, no indices / sinks): absorbed attention
   with the ``mla_decode`` kernel straight from the pages — the latent is read once, no per-head K/V exists;
-* everything else (prefill, chunked prefill, other masks, DSA indices, sinks):
+* everything else (prefill, chunked prefill, other masks, DSA indices, sinks, a ``kv_b_proj`` wrapped by adapters,
+  whose weight is not what it computes):
   the latent is gathered from the pages (contiguous ``[B, T, rank + rope]``) and the contiguous fused path
   runs on it, which expands K/V for prefill (compute-bound) and absorbs for single-token steps.
 """

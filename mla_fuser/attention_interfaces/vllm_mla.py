@@ -9,8 +9,9 @@ Once a model uses ``vllm_mla`` every attention call of that model reaches this f
 Both paths honour the mask (left padding, static-cache padding; float masks too), ``indices`` (DSA top-k
 selection), ``s_aux`` (attention sinks), ``sliding_window``, an ``is_causal`` keyword (else the module's
 attribute) and ``softcap``; masked scores use the dtype minimum so fully padded rows stay finite.  What the
-absorbed kernel cannot do exactly (additive biases other than 0 / -inf, softcapping, training dropout) runs on
-K/V expanded from the latent instead, never approximately.  ``position_bias`` is refused loudly.
+absorbed kernel cannot do exactly (additive biases other than 0 / -inf, softcapping, training dropout, a
+``kv_b_proj`` that adapters such as PEFT's LoRA wrap) runs on K/V expanded from the latent instead, never
+approximately.  ``position_bias`` is refused loudly.
 
 Multi-device: the head count is never taken from the match (traced once, possibly on another layout) but from the
 query of each call and the rows of ``kv_b_proj``'s weight this process holds.  Under tensor parallelism
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from ..cache import PAGED_ATTR
 from ..fusers.mla import PLAN_ATTR
+from ..graph import is_plain_linear
 from .paged import gathered_latent, paged_decode
 from ..kernels.mla_attention import masked_softmax, mla_attention
 
@@ -154,7 +156,13 @@ def left_padding_of(allowed: torch.Tensor, exact=True):
     length = allowed.shape[-1]
     starts = length - allowed.sum(-1)
     expected = torch.arange(length, device=allowed.device).view(1, -1) >= starts.view(-1, 1)
-    return starts.to(torch.int32) if bool(((allowed == expected) & exact).all()) else None
+    is_left_padding = ((allowed == expected) & exact).all()
+    if torch.compiler.is_compiling():
+        # a traced graph cannot branch on the data (Transformers 5.17 hands compiled decode steps a mask even
+        # without padding): assume left padding and assert it on the device, so any other mask fails loudly
+        torch._assert_async(is_left_padding, "vllm_mla: a compiled decode step got a mask that is not left padding")
+        return starts.to(torch.int32)
+    return starts.to(torch.int32) if bool(is_left_padding) else None
 
 
 def _expand_latent(kv_c, k_pe, kv_b, m, heads: int):
@@ -199,14 +207,16 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
     if qk_dim != m.qk_nope_head_dim + m.qk_rope_head_dim:
         raise RuntimeError(f"vllm_mla: query shape {tuple(query.shape)} does not fit the matched head layout")
     s_aux = local_tensor(s_aux)
+    kv_b = plan.kv_b(module)
+    absorbable = is_plain_linear(kv_b)  # else adapters (PEFT) wrap it: only calling it computes what it does
     view = getattr(kv_c, PAGED_ATTR, None)
     if view is not None:  # the paged latent cache: decode straight from the pages, else read them back
-        if (q_len == 1 and indices is None and s_aux is None and sliding_window is None and softcap is None
-                and not (dropout and module.training)):
+        if (absorbable and q_len == 1 and indices is None and s_aux is None and sliding_window is None
+                and softcap is None and not (dropout and module.training)):
             # no mask: the cache's own left padding (if any); a mask: only if it is left padding, as starts
             starts = view.starts if attention_mask is None else left_padding_starts(attention_mask, kv_c.shape[2])
             if attention_mask is None or starts is not None:
-                with kv_b_params(plan.kv_b(module)) as (weight, bias):
+                with kv_b_params(kv_b) as (weight, bias):
                     w_uk, w_uv, b_v = absorbed_weights(weight, bias, m, heads)
                     return paged_decode(query, view, scale, w_uk, w_uv, b_v, m, starts)
         kv_c, k_pe = gathered_latent(view, m.kv_lora_rank)
@@ -220,9 +230,9 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
             f"vllm_mla: fused module {type(module).__name__} passed a rotary key of shape {tuple(k_pe.shape)}, "
             f"expected [B, 1, T, {m.qk_rope_head_dim}]"
         )
-    kv_b = plan.kv_b(module)
     kv_len = kv_c.shape[2]
-    expand = _prefer_expanded(q_len, kv_len) or softcap is not None or bool(dropout and module.training)
+    expand = (not absorbable or _prefer_expanded(q_len, kv_len) or softcap is not None
+              or bool(dropout and module.training))
     if not expand:  # the mask is only built for the absorbed path (a causal prefill mask would be T x T)
         allowed, bias = _allowed_mask(attention_mask, batch, heads, q_len, kv_len, query.device, indices,
                                       sliding_window, is_causal)
@@ -231,7 +241,8 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
     if expand:
         # prefill is compute-bound: expanding K/V (for the tokens attended to) and running ordinary attention
         # costs fewer FLOPs than attending in the 576-wide absorbed space.  The same exact path serves what the
-        # absorbed kernel does not do: additive biases other than 0 / -inf, softcapping, training dropout.
+        # absorbed kernel does not do: additive biases other than 0 / -inf, softcapping, training dropout, and a
+        # kv_b_proj wrapped by adapters (its weight is not what it computes; calling it is).
         key, value = _expand_latent(kv_c, k_pe, kv_b, m, heads)
         return padded_attention(module, query, key, value, attention_mask, dropout, scale, indices, s_aux,
                                 sliding_window, is_causal, softcap)
@@ -242,8 +253,11 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
 
 
 def padded_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, indices=None,
-                     s_aux=None, sliding_window=None, is_causal=None, softcap=None):
-    """Full attention on expanded K/V: V padded to the q/k head dim, SDPA, output sliced; ``[B, S, H, Dv]``."""
+                     s_aux=None, sliding_window=None, is_causal=None, softcap=None, return_weights=False):
+    """Full attention on expanded K/V: V padded to the q/k head dim, SDPA, output sliced; ``[B, S, H, Dv]``.
+
+    ``return_weights``: ``(out, probabilities [B, H, S, T])`` from explicit scores (``output_attentions``), as
+    Transformers' eager attention returns them (in the query's dtype, after dropout)."""
     batch, heads, q_len, qk_dim = query.shape
     kv_heads, kv_len, v_dim = key.shape[1], key.shape[2], value.shape[-1]
     s_aux = local_tensor(s_aux)
@@ -254,7 +268,7 @@ def padded_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         is_causal = getattr(module, "is_causal", True)
     scale = scaling if scaling is not None else qk_dim ** -0.5
     mask_args = (attention_mask, batch, heads, q_len, kv_len, query.device, indices, sliding_window, is_causal)
-    if s_aux is not None or softcap is not None:
+    if s_aux is not None or softcap is not None or return_weights:
         allowed, bias = _allowed_mask(*mask_args)
         scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
         if softcap is not None:
@@ -264,8 +278,8 @@ def padded_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         probs = masked_softmax(scores, allowed, s_aux)
         if dropout and module.training:
             probs = F.dropout(probs, p=dropout)
-        out = torch.matmul(probs, value.float()).to(query.dtype)
-        return out.transpose(1, 2).contiguous()
+        out = torch.matmul(probs, value.float()).to(query.dtype).transpose(1, 2).contiguous()
+        return (out, probs.to(query.dtype)) if return_weights else out
     if v_dim < qk_dim:
         value = F.pad(value, (0, qk_dim - v_dim))
     if attention_mask is None and indices is None and (sliding_window is None or kv_len <= sliding_window):
@@ -291,16 +305,27 @@ def padded_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out[..., :v_dim].transpose(1, 2).contiguous()
 
 
+def _expanded_for_weights(module, query, kv_c, k_pe):
+    """Per-head K/V of a fused module's call (its latent, or the paged cache's read back)."""
+    plan = getattr(module, PLAN_ATTR)
+    view = getattr(kv_c, PAGED_ATTR, None)
+    if view is not None:
+        kv_c, k_pe = gathered_latent(view, plan.match.kv_lora_rank)
+    return _expand_latent(kv_c, k_pe, plan.kv_b(module), plan.match, query.shape[1])
+
+
 # keyword arguments whose value changes the result and that this function honours; any *other* keyword that
 # Transformers documents as changing the math (``position_bias``...) makes the call fail loudly instead of being
 # dropped.  ``position_ids``, ``cu_seq_lens_*`` / ``max_length_*`` (packed sequences reach us as a mask built by
-# the registered mask function, exactly as for ``sdpa``), ``output_attentions`` and cache bookkeeping are ignored.
+# the registered mask function, exactly as for ``sdpa``) and cache bookkeeping are ignored; ``output_attentions``
+# returns the weights (see ``vllm_mla_attention``).
 _HONOURED = ("indices", "s_aux", "sliding_window", "is_causal")
 _UNSUPPORTED = ("position_bias",)
 
 
 def vllm_mla_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Entry point registered as ``vllm_mla`` in ``AttentionInterface``; returns ``(out [B,S,H,Dv], None)``."""
+    """Entry point registered as ``vllm_mla`` in ``AttentionInterface``; returns ``(out [B,S,H,Dv], weights)``, the
+    weights ``[B, H, S, T]`` when ``output_attentions`` asks for them, else None."""
     if isinstance(query, torch.fx.Proxy):  # traced while the model already uses vllm_mla
         from ..graph import _tracing_attention_interface
 
@@ -313,6 +338,13 @@ def vllm_mla_attention(module, query, key, value, attention_mask, dropout=0.0, s
     fused = getattr(module, PLAN_ATTR, None) is not None
     if not fused and getattr(key, PAGED_ATTR, None) is not None:
         raise RuntimeError(f"vllm_mla: {type(module).__name__} is not fused but reads a paged latent cache")
+    if kwargs.get("output_attentions"):
+        # the weights are asked for: explicit scores over expanded K/V (the absorbed scores are the same
+        # probabilities, but neither kernel materialises them)
+        if fused:
+            key, value = _expanded_for_weights(module, query, key, value)
+        return padded_attention(module, query, key, value, attention_mask, dropout, scaling, softcap=softcap,
+                                return_weights=True, **extra)
     if fused:
         return fused_mla_attention(module, query, key, value, attention_mask, scaling, dropout=dropout,
                                    softcap=softcap, **extra), None

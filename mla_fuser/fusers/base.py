@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..graph import TraceError, trace_module
+from ..graph import TRACE_LOCK, TraceError, trace_module
 
 
 def shape_key(module: nn.Module, example_inputs=None) -> tuple:
@@ -105,14 +105,15 @@ class Fuser:
         """``(match, reason)``: the match or None, and why not when None."""
         key = (cls, cls.cache_key(module, example_inputs))
         cache = Fuser._cache
-        if key not in cache:
-            try:
-                cache[key] = (cls._match(module, example_inputs), "")
-            except NoMatch as exc:
-                cache[key] = (None, str(exc))
-            except TraceError as exc:
-                cache[key] = (None, f"trace failed: {exc}")
-        return cache[key]
+        with TRACE_LOCK:  # one trace at a time in the process, and the cache filled once per key
+            if key not in cache:
+                try:
+                    cache[key] = (cls._match(module, example_inputs), "")
+                except NoMatch as exc:
+                    cache[key] = (None, str(exc))
+                except TraceError as exc:
+                    cache[key] = (None, f"trace failed: {exc}")
+            return cache[key]
 
     @classmethod
     def cache_key(cls, module: nn.Module, example_inputs=None) -> tuple:

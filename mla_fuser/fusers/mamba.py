@@ -52,6 +52,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .. import graph as g
+from .. import compat
 from ..kernels.causal_conv1d import (
     causal_conv1d,
     causal_conv1d_ref,
@@ -70,7 +71,7 @@ from .base import Fuser, FusionRow, NoMatch
 PLAN_ATTR = "_mla_fuser_mamba_plan"
 _PROBE_LEN = 5  # tokens of the trace / probe input; unlike any feature width, so axes are never confused
 _PACKED_KWARGS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")
-_CACHE_METHODS = ("get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state")
+_CACHE_METHODS = compat.MAMBA_CACHE_METHODS
 
 
 @dataclass(frozen=True)
@@ -219,9 +220,10 @@ class MambaFuser(Fuser):
         if not isinstance(getattr(module, "layer_idx", None), int):
             row.reason = "the mixer has no integer layer_idx: its cache states cannot be addressed"
             return row
-        missing = [m for m in _CACHE_METHODS if not hasattr(Cache, m)]
+        missing = compat.missing_mamba_cache_methods()
         if missing:
-            row.reason = f"the installed transformers' Cache lacks {missing}"
+            low = ".".join(map(str, compat.FEATURE_MIN_VERSION["mamba"]))
+            row.reason = f"the installed transformers' Cache lacks {missing} (Mamba fusion needs transformers>={low})"
             return row
         hooked = getattr(module, "_hf_hook", None) is not None and "_old_forward" in module.__dict__
         # under an accelerate hook (device_map dispatch, offload) replace what the hook wraps, so it keeps running

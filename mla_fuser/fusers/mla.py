@@ -14,6 +14,11 @@ Roles come from the traced graph, never from names:
 ``apply`` rewrites the forward (``rewrite.py``): one stacked GEMM for both down-projections, and the K/V
 expansion call replaced by its arguments, so the latent reaches the ``vllm_mla`` attention interface, which
 runs absorbed MLA with ``W_UK``/``W_UV`` taken as views of ``kv_b_proj.weight``.
+
+A projection may be an adapter layer around a linear (PEFT LoRA keeps the original as ``base_layer``), put there
+before or after fusion: it matches as its base linear, and fused code never reads the weights of anything but a
+plain linear: the down-projections are then called as themselves (not stacked) and K/V expanded by calling
+``kv_b_proj`` (not absorbed), so the adapters always run exactly as in the native forward.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ class MLAPlan:
 
     match: MLAMatch
 
-    def kv_b(self, module: nn.Module) -> nn.Linear:
+    def kv_b(self, module: nn.Module) -> nn.Module:
+        """The KV up-projection as it is *now*: a plain linear, or whatever replaced or wrapped it since (PEFT)."""
         return module.get_submodule(self.match.kv_b_proj)
 
 
@@ -76,7 +82,7 @@ class MLAFuser(Fuser):
 
     @classmethod
     def _match(cls, module: nn.Module, example_inputs=None) -> MLAMatch:
-        linears = [c for c in module.children() if isinstance(c, nn.Linear)]
+        linears = [c for c in module.children() if _is_projection(c)]
         if len(linears) < 3:
             raise NoMatch("fewer than three linear children")
         if not any(g.rmsnorm_width(c) for c in module.children()):
@@ -93,7 +99,7 @@ def _match_traced(traced: g.TracedModule) -> MLAMatch:
     for target, nodes in traced.nodes_by_module.items():
         if len(nodes) > 1:
             raise NoMatch(f"submodule {target!r} is called {len(nodes)} times")
-    linear_nodes = [n for n in traced.graph.nodes if g.is_linear(sub(n))]
+    linear_nodes = [n for n in traced.graph.nodes if _is_projection(sub(n))]
     norm_nodes = [n for n in traced.graph.nodes if n.op == "call_module" and g.rmsnorm_width(sub(n))]
 
     attention = traced.attention_nodes()
@@ -119,9 +125,9 @@ def _match_traced(traced: g.TracedModule) -> MLAMatch:
         src = g.source_through_shape_ops(norm.args[0])
         if not (src in linear_nodes and src.args and g.source_through_shape_ops(src.args[0]) is traced.hidden):
             continue
-        if sub(src).out_features < g.rmsnorm_width(sub(norm)):
+        if _out_features(sub(src)) < g.rmsnorm_width(sub(norm)):
             continue
-        ups = g.nearest_downstream(traced, norm, lambda n: g.is_linear(sub(n)))
+        ups = g.nearest_downstream(traced, norm, lambda n: _is_projection(sub(n)))
         if len({n.target for n in ups}) != 1:
             continue  # not a down-projection / norm / up-projection chain (e.g. a norm on the rotary part)
         up = ups[0]
@@ -132,7 +138,7 @@ def _match_traced(traced: g.TracedModule) -> MLAMatch:
     kv_chains = [(lin, nrm, up) for lin, nrm, up, to_q, to_kv in chains if to_kv and not to_q]
     q_chains = [
         (lin, nrm, up) for lin, nrm, up, to_q, to_kv in chains
-        if to_q and not to_kv and sub(lin).out_features == g.rmsnorm_width(sub(nrm))
+        if to_q and not to_kv and _out_features(sub(lin)) == g.rmsnorm_width(sub(nrm))
     ]
     if len(kv_chains) != 1:
         raise NoMatch(
@@ -150,10 +156,10 @@ def _match_traced(traced: g.TracedModule) -> MLAMatch:
         on_hidden = [
             n for n in linear_nodes
             if n is not kv_a and n.args and g.source_through_shape_ops(n.args[0]) is traced.hidden
-            and (n is query_node or g.reaches(n, query_node, stop=lambda m: g.is_linear(sub(m))))
+            and (n is query_node or g.reaches(n, query_node, stop=lambda m: _is_projection(sub(m))))
         ]
         q_proj = _single(on_hidden, "query projection on the hidden states")
-    o_proj = g.linear_feeding_output(traced)
+    o_proj = g.linear_feeding_output(traced, adapters=True)
     if o_proj is None or not g.reaches(attn, o_proj):
         raise NoMatch("no single output projection fed by the attention call")
 
@@ -162,9 +168,9 @@ def _match_traced(traced: g.TracedModule) -> MLAMatch:
         raise NoMatch("query/value shapes at the attention call are unknown")
     num_heads, qk_head_dim, v_head_dim = int(query.shape[1]), int(query.shape[3]), int(value.shape[3])
     rank = g.rmsnorm_width(sub(kv_norm))
-    rope = sub(kv_a).out_features - rank
+    rope = _out_features(sub(kv_a)) - rank
     nope = qk_head_dim - rope
-    kv_b_mod = sub(kv_b)
+    kv_b_mod = g.base_linear(sub(kv_b))
     if kv_b_mod.in_features != rank:
         raise NoMatch(f"KV up-projection takes {kv_b_mod.in_features} features, the latent has {rank}")
     # the rows this process holds: all of them, or (tensor parallelism, a DTensor sharded by head) the local heads,
@@ -190,8 +196,19 @@ def _match_traced(traced: g.TracedModule) -> MLAMatch:
         qk_rope_head_dim=rope,
         v_head_dim=v_head_dim,
         kv_lora_rank=rank,
-        q_lora_rank=sub(q_a).out_features if q_a is not None else None,
+        q_lora_rank=_out_features(sub(q_a)) if q_a is not None else None,
     )
+
+
+def _is_projection(module: nn.Module | None) -> bool:
+    """A linear, or an adapter layer (PEFT LoRA) around one: the fused forward calls these projections as
+    themselves whenever they are not plain linears (see ``StackedLinear`` and ``vllm_mla``), so adapters count."""
+    return g.is_linear(module, adapters=True)
+
+
+def _out_features(module: nn.Module) -> int:
+    """Output width of a projection (an adapter layer's is its base linear's)."""
+    return g.base_linear(module).out_features
 
 
 def _local_rows(linear: nn.Module) -> int:
@@ -199,6 +216,11 @@ def _local_rows(linear: nn.Module) -> int:
     (sharded by whole heads), else ``out_features``."""
     to_local = getattr(linear.weight, "to_local", None)
     return int(to_local().shape[0]) if callable(to_local) else int(linear.out_features)
+
+
+def _wrapped(module: nn.Module, *roles: str | None) -> list[str]:
+    """The roles whose projection is not a plain linear (an adapter layer around one): fused code calls those."""
+    return [r for r in roles if r is not None and not g.is_plain_linear(module.get_submodule(r))]
 
 
 def apply_mla(module: nn.Module, match: MLAMatch, qualname: str) -> FusionRow:
@@ -213,8 +235,14 @@ def apply_mla(module: nn.Module, match: MLAMatch, qualname: str) -> FusionRow:
         return row
     setattr(module, PLAN_ATTR, MLAPlan(match))
     row.status = "fused"
-    row.reason = (
-        f"{match.num_heads} heads, latent {match.kv_lora_rank}+{match.qk_rope_head_dim}"
-        + (f", q-LoRA {match.q_lora_rank} stacked with KV down-projection" if match.has_q_lora else ", no q-LoRA")
-    )
+    down, kv_b = _wrapped(module, match.q_a_proj, match.kv_a_proj), _wrapped(module, match.kv_b_proj)
+    row.reason = f"{match.num_heads} heads, latent {match.kv_lora_rank}+{match.qk_rope_head_dim}"
+    if not match.has_q_lora:
+        row.reason += ", no q-LoRA"
+    else:
+        row.reason += f", q-LoRA {match.q_lora_rank}" + ("" if down else " stacked with KV down-projection")
+    if down:
+        row.reason += f"; adapters on {', '.join(down)}: called as themselves, not stacked"
+    if kv_b:
+        row.reason += f"; adapters on {kv_b[0]}: K/V expanded through it, not absorbed"
     return row

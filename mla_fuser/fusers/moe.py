@@ -326,12 +326,13 @@ def mlp_spec(module: nn.Module, hidden_size: int) -> MLPSpec:
     Cached with the fusers' matches (``Fuser.cache_clear`` clears both)."""
     key = ("mlp", shape_key(module), fingerprint(module), hidden_size)
     cache = Fuser._cache
-    if key not in cache:
-        try:
-            cache[key] = _mlp_spec(module, hidden_size)
-        except (NoMatch, g.TraceError) as exc:
-            cache[key] = NoMatch(str(exc))
-    result = cache[key]
+    with g.TRACE_LOCK:
+        if key not in cache:
+            try:
+                cache[key] = _mlp_spec(module, hidden_size)
+            except (NoMatch, g.TraceError) as exc:
+                cache[key] = NoMatch(str(exc))
+        result = cache[key]
     if isinstance(result, NoMatch):
         raise result
     return result
