@@ -20,7 +20,7 @@ import mla_fuser  # noqa: E402
 from mla_fuser.cache import PagedLatentCache  # noqa: E402
 from mla_fuser.presets import preset_config  # noqa: E402
 
-from conftest import left_padded_prompts  # noqa: E402
+from conftest import left_padded_prompts, needs_mamba_fusion  # noqa: E402
 
 RESULTS = {}
 
@@ -162,6 +162,7 @@ def test_decode_graph_replays_equal_eager_bf16(models):
 
 
 @torch.no_grad()
+@needs_mamba_fusion
 def test_decode_graph_mamba2_equals_eager_bf16():
     from transformers import DynamicCache, Mamba2Config, Mamba2ForCausalLM
 
@@ -205,6 +206,7 @@ def _mamba(arch, dtype):
 
 
 @torch.no_grad()
+@needs_mamba_fusion
 @pytest.mark.parametrize("arch", ["mamba2", "mamba"])
 def test_mamba_bf16_error_vs_fp32_like_native(arch):
     """bf16 fused (Triton conv/scan) and bf16 native (Transformers' torch path) against the fp32 native oracle:
@@ -225,6 +227,7 @@ def test_mamba_bf16_error_vs_fp32_like_native(arch):
 
 
 @torch.no_grad()
+@needs_mamba_fusion
 def test_mamba2_generate_replays_decode_steps():
     model = _mamba("mamba2", torch.bfloat16)
     native = _mamba("mamba2", torch.bfloat16)
