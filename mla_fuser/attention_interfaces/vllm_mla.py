@@ -157,9 +157,9 @@ def left_padding_of(allowed: torch.Tensor, exact=True):
     starts = length - allowed.sum(-1)
     expected = torch.arange(length, device=allowed.device).view(1, -1) >= starts.view(-1, 1)
     is_left_padding = ((allowed == expected) & exact).all()
-    if torch.compiler.is_compiling():
-        # a traced graph cannot branch on the data (Transformers 5.17 hands compiled decode steps a mask even
-        # without padding): assume left padding and assert it on the device, so any other mask fails loudly
+    if torch.compiler.is_compiling() or (allowed.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # a traced or captured step cannot branch on the data (Transformers 5.17 hands such decode steps a mask
+        # even without padding): assume left padding and assert it on the device, so any other mask fails loudly
         torch._assert_async(is_left_padding, "vllm_mla: a compiled decode step got a mask that is not left padding")
         return starts.to(torch.int32)
     return starts.to(torch.int32) if bool(is_left_padding) else None
@@ -213,8 +213,12 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
     if view is not None:  # the paged latent cache: decode straight from the pages, else read them back
         if (absorbable and q_len == 1 and indices is None and s_aux is None and sliding_window is None
                 and softcap is None and not (dropout and module.training)):
-            # no mask: the cache's own left padding (if any); a mask: only if it is left padding, as starts
-            starts = view.starts if attention_mask is None else left_padding_starts(attention_mask, kv_c.shape[2])
+            # the cache's own left padding (if any), and a mask's only if it is left padding: both restrict the
+            # keys to "from s on", so together they keep the later start
+            starts = view.starts
+            if attention_mask is not None:
+                from_mask = left_padding_starts(attention_mask, kv_c.shape[2])
+                starts = from_mask if starts is None or from_mask is None else torch.maximum(starts, from_mask)
             if attention_mask is None or starts is not None:
                 with kv_b_params(kv_b) as (weight, bias):
                     w_uk, w_uv, b_v = absorbed_weights(weight, bias, m, heads)
