@@ -305,7 +305,7 @@ def run_sweep(fm, args, shape, num_tokens, tensors, timer, log):
 
             gemms = ["gemm1", "gemm2"]
             grids = {"gemm1": grid, "gemm2": grid}
-            if path == "small" and num_tokens <= fm._gemv_down_max_tokens():
+            if path == "small" and num_tokens <= fm.gemv_down_max_tokens():
                 gemms.append("gemv2")
                 grids["gemv2"] = sweep_grid("gemv2", num_tokens, shape, args.dry_run)
                 out_buf = torch.empty(num_tokens, H, dtype=hidden.dtype, device=hidden.device)
@@ -314,10 +314,10 @@ def run_sweep(fm, args, shape, num_tokens, tensors, timer, log):
 
             def launch(gemm, cfg, warmup=False):
                 if gemm == "gemv2":
-                    fm._launch_down_gemv(inter, down, None, out_buf, flat_ids, routing, K, E, cfg, warmup=warmup)
+                    fm.launch_down_gemv(inter, down, None, out_buf, flat_ids, routing, K, E, cfg, warmup=warmup)
                     return
-                fm._launch_gemm(flat_ids=flat_ids, align=align, num_pairs=num_pairs, interleaved=False, act=act,
-                                cfg=cfg, num_experts=E, warmup=warmup, **gemm_kw[gemm])  # fmt: skip
+                fm.launch_gemm(flat_ids=flat_ids, align=align, num_pairs=num_pairs, interleaved=False, act=act,
+                               cfg=cfg, num_experts=E, warmup=warmup, **gemm_kw[gemm])  # fmt: skip
 
             if hidden.is_cuda and not args.no_precompile:
                 precompile(launch, [(g, c) for g in gemms for c in grids[g]], log)
@@ -380,7 +380,7 @@ def main(argv=None):
         dry_run=args.dry_run,
         timer="triton.testing.do_bench median (L2 flushed between runs)" if device == "cuda" else "perf_counter",
         date=time.strftime("%Y-%m-%d %H:%M:%S"),
-        small_batch_max_tokens=fm._small_batch_max_tokens(),
+        small_batch_max_tokens=fm.small_batch_max_tokens(),
     )
     try:
         import triton

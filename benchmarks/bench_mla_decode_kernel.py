@@ -234,8 +234,8 @@ def metrics(B, L, H, ms, copy_gbps):
 def kernel_info():
     from mla_fuser.kernels import mla_decode as md
 
-    info = {k: v for k, v in md._LAST_LAUNCH.items() if k != "stage1"}
-    k1 = md._LAST_LAUNCH.get("stage1")
+    info = {k: v for k, v in md.LAST_LAUNCH.items() if k != "stage1"}
+    k1 = md.LAST_LAUNCH.get("stage1")
     for attr in ("n_regs", "n_spills"):
         if k1 is not None and hasattr(k1, attr):
             info[attr] = getattr(k1, attr)

@@ -24,10 +24,11 @@ if importlib.util.find_spec("mla_fuser") is None:  # plain `pytest` from the rep
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mla_fuser.kernels import fused_moe as fm  # noqa: E402
+from mla_fuser.kernels.dispatch import triton_available  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-needs_triton = pytest.mark.skipif(not fm.triton_available(), reason="triton not installed")
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 
 # Tile config small enough for the interpreter; BLOCK_M=16 is the minimum tl.dot M; SCAN_P below the pair
 # count so the small path scans the ids in several steps.
@@ -234,7 +235,7 @@ def test_tuned_config_file(tmp_path, monkeypatch):
     monkeypatch.setenv("MLA_FUSER_MOE_CONFIGS", str(f))
     assert fm.get_moe_config("small", 4, 2, E) == TINY
     assert fm.get_moe_config("small", 9, 2, E)["gemm1"]["BLOCK_N"] == 32
-    assert fm.get_moe_config("aligned", 9, 2, E) == fm._default_config("aligned", 9, 2, E)
+    assert fm.get_moe_config("aligned", 9, 2, E) == fm.default_config("aligned", 9, 2, E)
 
 
 @needs_triton

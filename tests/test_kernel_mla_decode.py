@@ -6,7 +6,7 @@ builds an ``InterpretedFunction`` instead of a compiled ``JITFunction``), and th
 helpers of ``triton.language.standard`` (``tl.sum``, ``tl.max``, ``tl.cdiv``, ``tl.zeros``...),
 which are decorated when triton is first *imported*.  Setting the flag with ``monkeypatch.setenv``
 inside a test is nevertheless enough for these kernels, whatever was imported before, because
-(1) they are decorated lazily, at first launch and once per mode (``mla_decode._LazyJit``), and
+(1) they are decorated lazily, at first launch and once per mode (``dispatch.LazyJit``), and
 (2) they use none of those helpers (``tl.reduce`` with the standard combine functions, which the
 interpreter recognises, and ``tl.full`` instead).  ``test_interpreter_flag_set_after_import``
 checks this: triton is imported by the kernel module at the top of this file, without the flag.
@@ -34,8 +34,9 @@ if importlib.util.find_spec("mla_fuser") is None:  # plain `pytest` from the rep
 
 from mla_fuser.kernels import mla_decode as md  # noqa: E402
 from mla_fuser.kernels import paged_cache_ops as pco  # noqa: E402
+from mla_fuser.kernels.dispatch import triton_available  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not md.triton_available(), reason="triton not installed")
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 
 
 @pytest.fixture

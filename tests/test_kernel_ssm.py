@@ -14,7 +14,7 @@ Three layers of checks:
 About ``TRITON_INTERPRET`` (checked on triton 3.9): ``triton.jit`` reads it when it wraps a function, and
 ``triton.language``'s own ``@jit`` helpers (``tl.zeros``, ``tl.sum``, ``tl.cumsum``, ``tl.sigmoid``) are
 wrapped when ``import triton`` runs, i.e. at import time.  The SSM kernels are wrapped lazily at their first
-launch, once per mode (``causal_conv1d.lazy_jit``), and use only builtins, so setting the variable at *call*
+launch, once per mode (``dispatch.LazyJit``), and use only builtins, so setting the variable at *call*
 time is enough whatever imported triton before (in a full run ``test_kernel_fused_moe`` does, at
 collection).  An autouse fixture sets it per test (monkeypatch) on machines without CUDA, and
 ``MLA_FUSER_BACKEND=triton`` for the tests that compare kernels with refs; nothing leaks into other test

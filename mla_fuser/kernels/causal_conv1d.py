@@ -30,24 +30,12 @@ All arithmetic is fp32; outputs and states take ``x``'s dtype.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .dispatch import LazyJit, triton_interpreting, use_triton
-
-try:  # Triton is optional: without it every op runs its torch reference.
-    import triton
-    import triton.language as tl
-
-    # Triton's own sum combine function, for tl.reduce / tl.associative_scan (see lazy_jit).
-    _SUM = tl.standard._sum_combine
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
-    tl = None
-    _SUM = None
+from .dispatch import LazyJit, kernel_op, next_pow2, tl, triton, triton_interpreting, use_triton
 
 __all__ = [
     "causal_conv1d",
@@ -60,17 +48,10 @@ __all__ = [
 _ACTIVATIONS = (None, "silu", "swish")
 
 
-lazy_jit = LazyJit  # see dispatch.LazyJit; also used by selective_scan.py and ssd.py
-
-
 def _check_activation(activation: Optional[str]) -> bool:
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     return activation is not None
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -176,139 +157,139 @@ def causal_conv1d_update_ref(
 # Triton kernels
 # ----------------------------------------------------------------------------------------------------
 
-if triton is not None:
 
-    @lazy_jit
-    def _causal_conv1d_fwd_kernel(
-        x_ptr, w_ptr, bias_ptr, init_ptr, seq_ptr, out_ptr, final_ptr,
-        C, L, S_INIT,
-        stride_xb, stride_xc, stride_xl,
-        stride_wc, stride_wk,
-        stride_ib, stride_ic, stride_il,
-        stride_sb, stride_sl,
-        stride_ob, stride_oc, stride_ol,
-        stride_fb, stride_fc, stride_fl,
-        W: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        HAS_INIT: tl.constexpr,
-        HAS_SEQ: tl.constexpr,
-        SILU: tl.constexpr,
-        FINAL_LEN: tl.constexpr,
-        BLOCK_F: tl.constexpr,
-        BLOCK_L: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        # One program: BLOCK_L positions x BLOCK_C channels of one batch row.  The W shifted loads of
-        # the same tile hit L1/L2, so memory sees each input about once.
-        pid_c = tl.program_id(0)
-        pid_l = tl.program_id(1)
-        pid_b = tl.program_id(2).to(tl.int64)
-        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-        offs_l = (pid_l * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)  # token offsets can pass 2**31
-        mask_c = offs_c < C
-        mask_l = offs_l < L
-        x_base = x_ptr + pid_b * stride_xb + offs_c[None, :] * stride_xc
+@LazyJit
+def _causal_conv1d_fwd_kernel(
+    x_ptr, w_ptr, bias_ptr, init_ptr, seq_ptr, out_ptr, final_ptr,
+    C, L, S_INIT,
+    stride_xb, stride_xc, stride_xl,
+    stride_wc, stride_wk,
+    stride_ib, stride_ic, stride_il,
+    stride_sb, stride_sl,
+    stride_ob, stride_oc, stride_ol,
+    stride_fb, stride_fc, stride_fl,
+    W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    HAS_SEQ: tl.constexpr,
+    SILU: tl.constexpr,
+    FINAL_LEN: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # One program: BLOCK_L positions x BLOCK_C channels of one batch row.  The W shifted loads of
+    # the same tile hit L1/L2, so memory sees each input about once.
+    pid_c = tl.program_id(0)
+    pid_l = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_l = (pid_l * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)  # token offsets can pass 2**31
+    mask_c = offs_c < C
+    mask_l = offs_l < L
+    x_base = x_ptr + pid_b * stride_xb + offs_c[None, :] * stride_xc
+    if HAS_SEQ:
+        seq_t = tl.load(seq_ptr + pid_b * stride_sb + offs_l * stride_sl, mask=mask_l, other=-1)
+    acc = tl.full((BLOCK_L, BLOCK_C), 0.0, tl.float32)
+    for k in tl.static_range(W):
+        pos = offs_l - (W - 1 - k)
+        m = mask_l[:, None] & mask_c[None, :]
+        v = tl.load(x_base + pos[:, None] * stride_xl, mask=m & (pos >= 0)[:, None], other=0.0).to(tl.float32)
+        if HAS_INIT:
+            iv = tl.load(
+                init_ptr + pid_b * stride_ib + offs_c[None, :] * stride_ic + (S_INIT + pos)[:, None] * stride_il,
+                mask=m & (pos < 0)[:, None],
+                other=0.0,
+            ).to(tl.float32)
+            v += iv
         if HAS_SEQ:
-            seq_t = tl.load(seq_ptr + pid_b * stride_sb + offs_l * stride_sl, mask=mask_l, other=-1)
-        acc = tl.full((BLOCK_L, BLOCK_C), 0.0, tl.float32)
-        for k in tl.static_range(W):
-            pos = offs_l - (W - 1 - k)
-            m = mask_l[:, None] & mask_c[None, :]
-            v = tl.load(x_base + pos[:, None] * stride_xl, mask=m & (pos >= 0)[:, None], other=0.0).to(tl.float32)
+            seq_s = tl.load(seq_ptr + pid_b * stride_sb + tl.maximum(pos, 0) * stride_sl, mask=mask_l, other=-2)
+            v = tl.where((seq_s == seq_t)[:, None], v, 0.0)
+        wk = tl.load(w_ptr + offs_c * stride_wc + k * stride_wk, mask=mask_c, other=0.0).to(tl.float32)
+        acc += v * wk[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    o_ptrs = out_ptr + pid_b * stride_ob + offs_c[None, :] * stride_oc + offs_l[:, None] * stride_ol
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_l[:, None] & mask_c[None, :])
+
+    if FINAL_LEN > 0:
+        if pid_l == 0:
+            # The conv state for the next call: the last FINAL_LEN inputs of concat(init, x).
+            offs_f = tl.arange(0, BLOCK_F)
+            pos_f = (L - FINAL_LEN + offs_f).to(tl.int64)
+            mf = (offs_f < FINAL_LEN)[:, None] & mask_c[None, :]
+            fv = tl.load(x_base + pos_f[:, None] * stride_xl, mask=mf & (pos_f >= 0)[:, None], other=0.0)
             if HAS_INIT:
-                iv = tl.load(
-                    init_ptr + pid_b * stride_ib + offs_c[None, :] * stride_ic + (S_INIT + pos)[:, None] * stride_il,
-                    mask=m & (pos < 0)[:, None],
+                fi = tl.load(
+                    init_ptr + pid_b * stride_ib + offs_c[None, :] * stride_ic + (S_INIT + pos_f)[:, None] * stride_il,
+                    mask=mf & ((pos_f < 0) & (pos_f >= -S_INIT))[:, None],
                     other=0.0,
-                ).to(tl.float32)
-                v += iv
+                )
+                fv = fv.to(tl.float32) + fi.to(tl.float32)
             if HAS_SEQ:
-                seq_s = tl.load(seq_ptr + pid_b * stride_sb + tl.maximum(pos, 0) * stride_sl, mask=mask_l, other=-2)
-                v = tl.where((seq_s == seq_t)[:, None], v, 0.0)
-            wk = tl.load(w_ptr + offs_c * stride_wc + k * stride_wk, mask=mask_c, other=0.0).to(tl.float32)
-            acc += v * wk[None, :]
+                seq_last = tl.load(seq_ptr + pid_b * stride_sb + (L - 1) * stride_sl)
+                seq_f = tl.load(seq_ptr + pid_b * stride_sb + tl.maximum(pos_f, 0) * stride_sl, mask=offs_f < FINAL_LEN, other=-2)
+                fv = tl.where((seq_f == seq_last)[:, None], fv, 0.0)
+            f_ptrs = final_ptr + pid_b * stride_fb + offs_c[None, :] * stride_fc + offs_f[:, None] * stride_fl
+            tl.store(f_ptrs, fv.to(final_ptr.dtype.element_ty), mask=mf)
+
+
+@LazyJit
+def _causal_conv1d_update_kernel(
+    x_ptr, state_ptr, w_ptr, bias_ptr, out_ptr,
+    C,
+    stride_xb, stride_xc, stride_xl,
+    stride_sb, stride_sc, stride_sl,
+    stride_wc, stride_wk,
+    stride_ob, stride_oc, stride_ol,
+    W: tl.constexpr,
+    S: tl.constexpr,
+    T: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # One program: BLOCK_C channels of one batch row.  Every read of the old window happens before
+    # the barrier, every write of the new window after it, so threads that share a channel (Triton
+    # may replicate small tiles) never see a half-shifted window.
+    pid_c = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    x_base = x_ptr + pid_b * stride_xb + offs_c * stride_xc
+    s_base = state_ptr + pid_b * stride_sb + offs_c * stride_sc
+
+    # New window: column j takes concat(state, x)[j + T].
+    offs_s = tl.arange(0, BLOCK_S)
+    src = offs_s + T
+    ms = (offs_s < S)[None, :] & mask_c[:, None]
+    new_state = tl.load(s_base[:, None] + src[None, :] * stride_sl, mask=ms & (src < S)[None, :], other=0.0)
+    new_state += tl.load(x_base[:, None] + (src - S)[None, :] * stride_xl, mask=ms & (src >= S)[None, :], other=0.0)
+
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    for t in tl.static_range(T):
+        acc = tl.full((BLOCK_C,), 0.0, tl.float32)
+        for k in tl.static_range(W):
+            j = S + t - (W - 1) + k  # index into concat(state, x)
+            if j < S:
+                v = tl.load(s_base + j * stride_sl, mask=mask_c, other=0.0)
+            else:
+                v = tl.load(x_base + (j - S) * stride_xl, mask=mask_c, other=0.0)
+            wk = tl.load(w_ptr + offs_c * stride_wc + k * stride_wk, mask=mask_c, other=0.0)
+            acc += v.to(tl.float32) * wk.to(tl.float32)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+            acc += b
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
-        o_ptrs = out_ptr + pid_b * stride_ob + offs_c[None, :] * stride_oc + offs_l[:, None] * stride_ol
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_l[:, None] & mask_c[None, :])
+        tl.store(out_ptr + pid_b * stride_ob + offs_c * stride_oc + t * stride_ol,
+                 acc.to(out_ptr.dtype.element_ty), mask=mask_c)
 
-        if FINAL_LEN > 0:
-            if pid_l == 0:
-                # The conv state for the next call: the last FINAL_LEN inputs of concat(init, x).
-                offs_f = tl.arange(0, BLOCK_F)
-                pos_f = (L - FINAL_LEN + offs_f).to(tl.int64)
-                mf = (offs_f < FINAL_LEN)[:, None] & mask_c[None, :]
-                fv = tl.load(x_base + pos_f[:, None] * stride_xl, mask=mf & (pos_f >= 0)[:, None], other=0.0)
-                if HAS_INIT:
-                    fi = tl.load(
-                        init_ptr + pid_b * stride_ib + offs_c[None, :] * stride_ic + (S_INIT + pos_f)[:, None] * stride_il,
-                        mask=mf & ((pos_f < 0) & (pos_f >= -S_INIT))[:, None],
-                        other=0.0,
-                    )
-                    fv = fv.to(tl.float32) + fi.to(tl.float32)
-                if HAS_SEQ:
-                    seq_last = tl.load(seq_ptr + pid_b * stride_sb + (L - 1) * stride_sl)
-                    seq_f = tl.load(seq_ptr + pid_b * stride_sb + tl.maximum(pos_f, 0) * stride_sl, mask=offs_f < FINAL_LEN, other=-2)
-                    fv = tl.where((seq_f == seq_last)[:, None], fv, 0.0)
-                f_ptrs = final_ptr + pid_b * stride_fb + offs_c[None, :] * stride_fc + offs_f[:, None] * stride_fl
-                tl.store(f_ptrs, fv.to(final_ptr.dtype.element_ty), mask=mf)
-
-    @lazy_jit
-    def _causal_conv1d_update_kernel(
-        x_ptr, state_ptr, w_ptr, bias_ptr, out_ptr,
-        C,
-        stride_xb, stride_xc, stride_xl,
-        stride_sb, stride_sc, stride_sl,
-        stride_wc, stride_wk,
-        stride_ob, stride_oc, stride_ol,
-        W: tl.constexpr,
-        S: tl.constexpr,
-        T: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        SILU: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        # One program: BLOCK_C channels of one batch row.  Every read of the old window happens before
-        # the barrier, every write of the new window after it, so threads that share a channel (Triton
-        # may replicate small tiles) never see a half-shifted window.
-        pid_c = tl.program_id(0)
-        pid_b = tl.program_id(1).to(tl.int64)
-        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask_c = offs_c < C
-        x_base = x_ptr + pid_b * stride_xb + offs_c * stride_xc
-        s_base = state_ptr + pid_b * stride_sb + offs_c * stride_sc
-
-        # New window: column j takes concat(state, x)[j + T].
-        offs_s = tl.arange(0, BLOCK_S)
-        src = offs_s + T
-        ms = (offs_s < S)[None, :] & mask_c[:, None]
-        new_state = tl.load(s_base[:, None] + src[None, :] * stride_sl, mask=ms & (src < S)[None, :], other=0.0)
-        new_state += tl.load(x_base[:, None] + (src - S)[None, :] * stride_xl, mask=ms & (src >= S)[None, :], other=0.0)
-
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-        for t in tl.static_range(T):
-            acc = tl.full((BLOCK_C,), 0.0, tl.float32)
-            for k in tl.static_range(W):
-                j = S + t - (W - 1) + k  # index into concat(state, x)
-                if j < S:
-                    v = tl.load(s_base + j * stride_sl, mask=mask_c, other=0.0)
-                else:
-                    v = tl.load(x_base + (j - S) * stride_xl, mask=mask_c, other=0.0)
-                wk = tl.load(w_ptr + offs_c * stride_wc + k * stride_wk, mask=mask_c, other=0.0)
-                acc += v.to(tl.float32) * wk.to(tl.float32)
-            if HAS_BIAS:
-                acc += b
-            if SILU:
-                acc = acc / (1.0 + tl.exp(-acc))
-            tl.store(out_ptr + pid_b * stride_ob + offs_c * stride_oc + t * stride_ol,
-                     acc.to(out_ptr.dtype.element_ty), mask=mask_c)
-
-        tl.debug_barrier()
-        tl.store(s_base[:, None] + offs_s[None, :] * stride_sl, new_state.to(state_ptr.dtype.element_ty), mask=ms)
+    tl.debug_barrier()
+    tl.store(s_base[:, None] + offs_s[None, :] * stride_sl, new_state.to(state_ptr.dtype.element_ty), mask=ms)
 
 
 def _like_layout(x: torch.Tensor) -> torch.Tensor:
@@ -350,7 +331,7 @@ def _conv_fwd_launch(x, weight, bias, initial_states, seq_idx, silu, final_len):
         HAS_SEQ=seq_idx is not None,
         SILU=silu,
         FINAL_LEN=max(final_len, 0),
-        BLOCK_F=_next_pow2(max(final_len, 1)),
+        BLOCK_F=next_pow2(max(final_len, 1)),
         BLOCK_L=block_l,
         BLOCK_C=block_c,
         num_warps=4,
@@ -381,7 +362,7 @@ def _conv_update_launch(x, conv_state, weight, bias, silu):
         T=seqlen,
         HAS_BIAS=bias is not None,
         SILU=silu,
-        BLOCK_S=_next_pow2(state_len),
+        BLOCK_S=next_pow2(state_len),
         BLOCK_C=block_c,
         num_warps=4,
     )
@@ -389,11 +370,11 @@ def _conv_update_launch(x, conv_state, weight, bias, silu):
 
 
 # ----------------------------------------------------------------------------------------------------
-# custom ops (opaque to torch.compile / dynamo; fake impls give shapes)
+# custom ops (opaque to torch.compile / dynamo; fake impls give shapes; eager calls skip the dispatcher)
 # ----------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("mla_fuser::causal_conv1d_fwd", mutates_args=())
+@kernel_op("causal_conv1d_fwd")
 def _causal_conv1d_fwd_op(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -411,7 +392,7 @@ def _(x, weight, bias, initial_states, seq_idx, silu, final_len):
     return _like_layout(x), x.new_empty(x.shape[0], x.shape[1], max(final_len, 0))
 
 
-@torch.library.custom_op("mla_fuser::causal_conv1d_update", mutates_args=("conv_state",))
+@kernel_op("causal_conv1d_update", mutates_args=("conv_state",))
 def _causal_conv1d_update_op(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -455,11 +436,7 @@ def causal_conv1d(
     silu = _check_activation(activation)
     final_len = (weight.shape[-1] if final_state_len is None else int(final_state_len)) if return_final_states else 0
     if use_triton(x, weight):
-        args = (x, weight, bias, initial_states, seq_idx, silu, final_len)
-        if torch.compiler.is_compiling():
-            out, final = torch.ops.mla_fuser.causal_conv1d_fwd(*args)
-        else:  # eager: skip the custom-op dispatcher (~10-20 us a call)
-            out, final = _conv_fwd_launch(*args)
+        out, final = _causal_conv1d_fwd_op(x, weight, bias, initial_states, seq_idx, silu, final_len)
         return (out, final) if return_final_states else out
     return causal_conv1d_ref(
         x, weight, bias, activation,
@@ -511,7 +488,5 @@ def causal_conv1d_update(
     """
     silu = _check_activation(activation)
     if use_triton(x, conv_state, weight):
-        if torch.compiler.is_compiling():
-            return torch.ops.mla_fuser.causal_conv1d_update(x, conv_state, weight, bias, silu)
-        return _conv_update_launch(x, conv_state, weight, bias, silu)  # eager: skip the dispatcher
+        return _causal_conv1d_update_op(x, conv_state, weight, bias, silu)
     return causal_conv1d_update_ref(x, conv_state, weight, bias, activation)

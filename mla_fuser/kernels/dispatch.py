@@ -1,4 +1,10 @@
-"""Kernel backend selection shared by every kernel in this package.
+"""What every kernel in this package shares: the Triton import, the backend choice, the lazy JIT and the custom op.
+
+Kernel files take this plumbing from here, never from each other (a kernel file imports another only to
+compose its public op, as ``ssd`` does with ``selective_scan``).  One module rather than a separate
+``triton_utils``: the backend choice was already here and callers outside the package (``kernels.__init__``,
+``fusers.norm``, ``decode_graph``) import it from here, so nothing outside had to move; what joined it is
+small and used by the same files.
 
 Every op in ``mla_fuser.kernels`` has a torch reference (``*_ref``) and, where it pays, a Triton
 implementation.  Which one runs is decided here, once per call, from the input tensors and the
@@ -12,6 +18,7 @@ implementation.  Which one runs is decided here, once per call, from the input t
 
 from __future__ import annotations
 
+import contextvars
 import functools
 
 import torch
@@ -29,6 +36,16 @@ def triton_available() -> bool:
     except Exception:  # pragma: no cover - depends on the installation
         return False
     return True
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover - depends on the installation
+    # Nothing launches without Triton; kernel files annotate with ``tl.constexpr`` under
+    # ``from __future__ import annotations``, so their definitions never evaluate ``tl``.
+    triton = None
+    tl = None
 
 
 def triton_interpreting() -> bool:
@@ -58,6 +75,20 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return on_cuda and triton_available()
 
 
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (1 for ``n <= 1``): ``tl.arange`` tiles must be powers of two."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints, without Triton: torch references size their buffers with it too."""
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton: lazy JIT and combine functions
+
+
 class LazyJit:
     """``triton.jit`` applied at a kernel's first launch, once per interpreter mode.
 
@@ -66,7 +97,9 @@ class LazyJit:
     the mode at call time, means the interpreter flag only has to be set before the first call (e.g. with
     ``monkeypatch.setenv`` inside a test), not before the kernel module — or triton — was imported.  Kernels
     wrapped this way must avoid triton's own ``@jit`` helpers (``tl.sum``, ``tl.zeros``, …), which triton
-    decorates when it is imported; they use builtins and ``tl.reduce`` with triton's combine functions.
+    decorates when it is imported; they use builtins and ``tl.reduce`` with :data:`SUM_COMBINE` /
+    :data:`MAX_COMBINE`.  Launching (``kernel[grid](...)``) makes the first CUDA tensor's device current
+    (:func:`on_tensor_device`).
     """
 
     def __init__(self, fn):
@@ -76,8 +109,6 @@ class LazyJit:
         self._by_mode = {}
 
     def get(self):
-        import triton
-
         mode = triton_interpreting()
         kernel = self._by_mode.get(mode)
         if kernel is None:
@@ -105,7 +136,64 @@ def on_tensor_device(launcher):
     return launch
 
 
-_GRAPH_WARMUP = __import__("contextvars").ContextVar("mla_fuser_graph_warmup", default=False)
+def _sum_combine(a, b):
+    return a + b
+
+
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+# Combine functions for ``tl.reduce`` / ``tl.associative_scan`` in :class:`LazyJit` kernels.  Triton's own are
+# reused because the interpreter recognises them by identity and reduces with numpy without calling them (fast
+# interpreted runs); ours stand in (slow under the interpreter, identical when compiled) if a Triton release
+# renames them.
+if triton is not None:
+    SUM_COMBINE = getattr(tl.standard, "_sum_combine", None) or triton.jit(_sum_combine)
+    MAX_COMBINE = getattr(tl.standard, "_elementwise_max", None) or triton.jit(_max_combine)
+else:  # pragma: no cover - depends on the installation
+    SUM_COMBINE = MAX_COMBINE = None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# custom ops
+
+
+class KernelOp:
+    """A kernel's ``torch.library`` custom op ``mla_fuser::<name>``, called with the eager shortcut.
+
+    Under torch.compile, and with tensor subclasses (FakeTensor, ...) as first argument, a call is the op
+    itself: one opaque node whose output shapes come from the fake implementation (:meth:`register_fake`).
+    Plain eager calls (a ``torch.Tensor`` first argument) run the implementation directly instead: the
+    dispatcher's round trip costs ~10-25 us of host time per call (measured on a dev CPU), which a small
+    decode step cannot hide.  ``eager`` replaces the op's body in that shortcut when the two must differ
+    (``rms_norm``: only the op makes its output contiguous, as its fake implementation promises).
+    """
+
+    def __init__(self, name: str, fn, mutates_args=(), eager=None):
+        self._def = torch.library.custom_op(f"mla_fuser::{name}", mutates_args=mutates_args)(fn)
+        self._op = getattr(torch.ops.mla_fuser, name)
+        self._eager = eager or fn
+
+    def register_fake(self, fake):
+        self._def.register_fake(fake)
+        return fake
+
+    def __call__(self, *args):
+        if type(args[0]) is torch.Tensor and not torch.compiler.is_compiling():
+            return self._eager(*args)
+        return self._op(*args)
+
+
+def kernel_op(name: str, *, mutates_args=(), eager=None):
+    """Decorator: the function (typed, as ``torch.library`` infers the schema) becomes a :class:`KernelOp`."""
+    return lambda fn: KernelOp(name, fn, mutates_args, eager)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CUDA graphs: are launches free?
+
+_GRAPH_WARMUP = contextvars.ContextVar("mla_fuser_graph_warmup", default=False)
 
 
 class graph_warmup:

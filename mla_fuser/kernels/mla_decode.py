@@ -46,7 +46,7 @@ Triton design (``_mla_decode_stage1`` + ``_mla_decode_stage2``)
   of a split-count sweep on all eight benchmark cases (within noise).  It uses only host-side
   shapes, so it needs no device sync and is CUDA-graph safe (the grid does not depend on
   ``seq_lens`` values).
-* Kernels use only core Triton builtins plus ``tl.reduce`` (see ``_MAX_COMBINE``) so they run under
+* Kernels use only core Triton builtins plus ``tl.reduce`` (see ``dispatch.LazyJit``) so they run under
   ``TRITON_INTERPRET=1`` whatever the import order; bf16 dots are upcast under the interpreter
   only (its bf16 ``tl.dot`` is broken in triton 3.9).
 
@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dispatch import LazyJit, triton_available, triton_interpreting, use_triton
+from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, kernel_op, tl, triton, triton_interpreting, use_triton
 
 __all__ = [
     "MLADecodeConfig",
@@ -134,38 +134,9 @@ def mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim, starts=None
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 
-if triton_available():
-    import triton
-    import triton.language as tl
-else:  # pragma: no cover - depends on the installation
-    triton = None
-    tl = None
 
-
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-def _sum_combine(a, b):
-    return a + b
-
-
-if triton is not None:
-    # Kernels here use only core builtins plus tl.reduce with these combine functions, never the
-    # @jit helpers of triton.language.standard (tl.sum/max/cdiv/zeros): triton 3.x decorates
-    # those when triton is *imported*, so if triton was imported without TRITON_INTERPRET=1 they
-    # raise "Cannot call @triton.jit'd outside of the scope of a kernel" under the interpreter.
-    # The interpreter recognises the standard combine functions by identity and reduces with numpy
-    # without calling them, so reusing them keeps interpreted runs fast; our own (slow under the
-    # interpreter, identical when compiled) stand in if a Triton version renames them.
-    _MAX_COMBINE = getattr(tl.standard, "_elementwise_max", None) or triton.jit(_max_combine)
-    _SUM_COMBINE = getattr(tl.standard, "_sum_combine", None) or triton.jit(_sum_combine)
-
-
-_LazyJit = LazyJit  # shared with paged_cache_ops; see dispatch.LazyJit
-
-
-def _stage1(
+@LazyJit
+def _mla_decode_stage1(
     Q,
     KV,
     BT,
@@ -294,10 +265,10 @@ def _stage1(
             if HAS_ROPE:
                 st = tl.dot(k_pe, q_pe_t, acc=st, input_precision=DOT_PRECISION)
             st = tl.where(mask_n[:, None], st * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(st, 0, _MAX_COMBINE))
+            m_new = tl.maximum(m_i, tl.reduce(st, 0, MAX_COMBINE))
             alpha = tl.exp2(m_i - m_new)
             pt = tl.exp2(st - m_new[None, :])
-            l_i = l_i * alpha + tl.reduce(pt, 0, _SUM_COMBINE)
+            l_i = l_i * alpha + tl.reduce(pt, 0, SUM_COMBINE)
             acc_t = acc_t * alpha[None, :]
             pt = pt.to(p_dtype)
             if DOT_UPCAST:
@@ -309,10 +280,10 @@ def _stage1(
                 s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=DOT_PRECISION)
             s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
             # Every tile has >= 1 valid token, so m_new is finite and alpha = exp2(-inf) = 0 at first.
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX_COMBINE))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, MAX_COMBINE))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.reduce(p, 1, _SUM_COMBINE)
+            l_i = l_i * alpha + tl.reduce(p, 1, SUM_COMBINE)
             acc = acc * alpha[:, None]
             p = p.to(p_dtype)  # the cache dtype: bf16/fp16 tensor-core operand
             if DOT_UPCAST:
@@ -336,7 +307,8 @@ def _stage1(
         tl.store(LSE + b * stride_lb + offs_h * stride_lh + pid_s, lse, mask=mask_h)
 
 
-def _stage2(
+@LazyJit
+def _mla_decode_stage2(
     O_PART,
     LSE,
     OUT,
@@ -368,30 +340,23 @@ def _stage2(
     o_row = O_PART + b * stride_pb + h * stride_ph
 
     # fp32 scalars (-inf and 0) built by reductions, so their type matches the loop-carried values
-    m_run = tl.reduce(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), 0, _MAX_COMBINE)
-    d_run = tl.reduce(tl.full([BLOCK_S], 0.0, dtype=tl.float32), 0, _SUM_COMBINE)
+    m_run = tl.reduce(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), 0, MAX_COMBINE)
+    d_run = tl.reduce(tl.full([BLOCK_S], 0.0, dtype=tl.float32), 0, SUM_COMBINE)
     acc = tl.full([BLOCK_VC], 0.0, dtype=tl.float32)
     for s0 in range(0, NUM_SPLITS, BLOCK_S):
         ss = s0 + offs_s
         ms = ss < NUM_SPLITS
         lse = tl.load(lse_row + ss, mask=ms, other=float("-inf"))
         o = tl.load(o_row + ss[:, None] * stride_ps + offs_v[None, :], mask=ms[:, None] & mask_v[None, :], other=0.0)
-        m_new = tl.maximum(m_run, tl.reduce(lse, 0, _MAX_COMBINE))
+        m_new = tl.maximum(m_run, tl.reduce(lse, 0, MAX_COMBINE))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far -> weights 0
         rescale = tl.exp2(m_run - m_safe)  # exp2(-inf) = 0 on the first non-empty chunk
         w = tl.exp2(lse - m_safe)  # empty split: exp2(-inf) = 0, and its partial is 0 too
-        d_run = d_run * rescale + tl.reduce(w, 0, _SUM_COMBINE)
-        acc = acc * rescale + tl.reduce(w[:, None] * o, 0, _SUM_COMBINE)
+        d_run = d_run * rescale + tl.reduce(w, 0, SUM_COMBINE)
+        acc = acc * rescale + tl.reduce(w[:, None] * o, 0, SUM_COMBINE)
         m_run = m_new
     out = tl.where(d_run > 0.0, acc / tl.where(d_run > 0.0, d_run, 1.0), 0.0)
     tl.store(OUT + b * stride_ob + h * stride_oh + offs_v, out.to(OUT.dtype.element_ty), mask=mask_v)
-
-
-if triton is not None:
-    _mla_decode_stage1 = _LazyJit(_stage1)
-    _mla_decode_stage2 = _LazyJit(_stage2)
-else:  # pragma: no cover
-    _mla_decode_stage1 = _mla_decode_stage2 = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -511,8 +476,8 @@ def choose_num_splits(
 # --------------------------------------------------------------------------------------------
 
 # What the last Triton launch used (stage-1 compiled kernel, split count, tiles): for benchmarks
-# (registers / spills via ``_LAST_LAUNCH["stage1"].n_regs``), never read by the kernels.
-_LAST_LAUNCH: dict = {}
+# (registers / spills via ``LAST_LAUNCH["stage1"].n_regs``), never read by the kernels.
+LAST_LAUNCH: dict = {}
 
 
 def _check_inputs(q, kv_pages, block_table, seq_lens, v_dim):
@@ -636,8 +601,8 @@ def mla_decode_triton(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    _LAST_LAUNCH.clear()
-    _LAST_LAUNCH.update(stage1=k1, num_splits=num_splits, block_h=block_h, block_n=block_n, per_row_pages=per_row)
+    LAST_LAUNCH.clear()
+    LAST_LAUNCH.update(stage1=k1, num_splits=num_splits, block_h=block_h, block_n=block_n, per_row_pages=per_row)
     if not direct:
         # Up to 128 splits merged in one load round; the v chunk shrinks as splits grow so a
         # program's tile stays <= 8K fp32 (64 registers/thread at 4 warps).
@@ -666,7 +631,8 @@ def mla_decode_triton(
 # --------------------------------------------------------------------------------------------
 
 
-def _mla_decode_impl(
+@kernel_op("mla_decode")
+def _mla_decode_op(
     q: torch.Tensor,
     kv_pages: torch.Tensor,
     block_table: torch.Tensor,
@@ -679,9 +645,6 @@ def _mla_decode_impl(
     if use_triton(q):
         return mla_decode_triton(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits, starts=starts)
     return mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim, starts)
-
-
-_mla_decode_op = torch.library.custom_op("mla_fuser::mla_decode", mutates_args=())(_mla_decode_impl)
 
 
 @_mla_decode_op.register_fake
@@ -706,12 +669,6 @@ def mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None
     Returns ``[B, H, v_dim]`` in q's dtype.  Backend choice: ``dispatch.use_triton(q)``.  Under
     torch.compile (and for tensor subclasses such as FakeTensor) the call goes through the
     ``mla_fuser::mla_decode`` custom op, so the compiled graph holds one opaque node; in eager mode
-    the op's implementation is called directly to save the dispatcher's host overhead.
+    the op's implementation is called directly to save the dispatcher's host overhead (``dispatch.KernelOp``).
     """
-    if type(q) is torch.Tensor and not torch.compiler.is_compiling():
-        # Eager on plain tensors: skip the custom-op dispatcher (~12 us of host time per call
-        # measured on a dev CPU, which a small decode batch cannot hide).  Under torch.compile, or
-        # with tensor subclasses (FakeTensor...), the op is one opaque node with a fake impl.
-        return _mla_decode_impl(q, kv_pages, block_table, seq_lens, float(scale), int(v_dim), num_splits, starts)
-    return torch.ops.mla_fuser.mla_decode(q, kv_pages, block_table, seq_lens, float(scale), int(v_dim), num_splits,
-                                          starts)
+    return _mla_decode_op(q, kv_pages, block_table, seq_lens, float(scale), int(v_dim), num_splits, starts)

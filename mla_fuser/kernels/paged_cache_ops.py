@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import triton_available, use_triton
-from .mla_decode import _LazyJit  # triton.jit deferred to first launch (interpreter flag read then)
+from .dispatch import LazyJit, kernel_op, tl, triton, use_triton
 
 __all__ = ["paged_append", "paged_append_ref", "paged_append_triton", "paged_write", "paged_write_ref",
            "paged_write_triton", "paged_gather_ref"]
@@ -56,15 +55,8 @@ def paged_gather_ref(kv_pages, block_table, seq_lens) -> list[torch.Tensor]:
     return out
 
 
-if triton_available():
-    import triton
-    import triton.language as tl
-else:  # pragma: no cover - depends on the installation
-    triton = None
-    tl = None
-
-
-def _write_kernel(
+@LazyJit
+def _paged_write_kernel(
     KV,
     SLOTS,
     KV_C,
@@ -95,9 +87,6 @@ def _write_kernel(
         mr = (offs_r < ROPE_DIM) & ((offs_r * 0 + slot) >= 0)
         pe = tl.load(K_PE + tok.to(tl.int64) * stride_pe + offs_r, mask=mr)
         tl.store(dst + V_DIM + offs_r, pe.to(KV.dtype.element_ty), mask=mr)
-
-
-_paged_write_kernel = _LazyJit(_write_kernel) if triton is not None else None
 
 
 def paged_write_triton(kv_pages, slot_mapping, kv_c, k_pe) -> None:
@@ -136,14 +125,12 @@ def paged_write_triton(kv_pages, slot_mapping, kv_c, k_pe) -> None:
     )
 
 
-def _paged_write_impl(kv_pages: torch.Tensor, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+@kernel_op("paged_write", mutates_args=("kv_pages",))
+def _paged_write_op(kv_pages: torch.Tensor, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
     if use_triton(kv_pages):
         paged_write_triton(kv_pages, slot_mapping, kv_c, k_pe)
     else:
         paged_write_ref(kv_pages, slot_mapping, kv_c, k_pe)
-
-
-_paged_write_op = torch.library.custom_op("mla_fuser::paged_write", mutates_args=("kv_pages",))(_paged_write_impl)
 
 
 @_paged_write_op.register_fake
@@ -164,10 +151,7 @@ def paged_write(kv_pages, slot_mapping, kv_c, k_pe) -> None:
     """
     if k_pe is None:
         k_pe = kv_c.new_empty((kv_c.shape[0], 0))
-    if type(kv_pages) is torch.Tensor and not torch.compiler.is_compiling():
-        _paged_write_impl(kv_pages, slot_mapping, kv_c, k_pe)  # eager: skip the dispatcher's overhead
-        return
-    torch.ops.mla_fuser.paged_write(kv_pages, slot_mapping, kv_c, k_pe)
+    _paged_write_op(kv_pages, slot_mapping, kv_c, k_pe)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -186,7 +170,8 @@ def paged_append_ref(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
                     None if k_pe is None else k_pe.reshape(batch * new, -1))
 
 
-def _append_kernel(
+@LazyJit
+def _paged_append_kernel(
     KV,
     TABLE,
     LENS,
@@ -224,9 +209,6 @@ def _append_kernel(
         tl.store(dst + V_DIM + offs_r, pe.to(KV.dtype.element_ty), mask=mr)
 
 
-_paged_append_kernel = _LazyJit(_append_kernel) if triton is not None else None
-
-
 def paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
     """Triton path of :func:`paged_append` (no dispatch)."""
     batch, new, v_dim = kv_c.shape
@@ -254,15 +236,13 @@ def paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
     )  # fmt: skip
 
 
-def _paged_append_impl(kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                       kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+@kernel_op("paged_append", mutates_args=("kv_pages",))
+def _paged_append_op(kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
     if use_triton(kv_pages):
         paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe)
     else:
         paged_append_ref(kv_pages, block_table, seq_lens, kv_c, k_pe)
-
-
-_paged_append_op = torch.library.custom_op("mla_fuser::paged_append", mutates_args=("kv_pages",))(_paged_append_impl)
 
 
 @_paged_append_op.register_fake
@@ -285,7 +265,4 @@ def paged_append(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
     """
     if k_pe is None:
         k_pe = kv_c.new_empty((*kv_c.shape[:2], 0))
-    if type(kv_pages) is torch.Tensor and not torch.compiler.is_compiling():
-        _paged_append_impl(kv_pages, block_table, seq_lens, kv_c, k_pe)
-        return
-    torch.ops.mla_fuser.paged_append(kv_pages, block_table, seq_lens, kv_c, k_pe)
+    _paged_append_op(kv_pages, block_table, seq_lens, kv_c, k_pe)

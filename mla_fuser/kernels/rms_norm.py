@@ -34,18 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import LazyJit, triton_available, use_triton
-
-if triton_available():
-    import triton
-    import triton.language as tl
-
-    # Triton's own sum combine function, through tl.reduce instead of the tl.sum wrapper (see LazyJit).
-    _SUM = tl.standard._sum_combine
-else:  # pragma: no cover - depends on the installation
-    triton = None
-    tl = None
-    _SUM = None
+from .dispatch import SUM_COMBINE, LazyJit, kernel_op, tl, triton, use_triton
 
 __all__ = ["KERNEL_DTYPES", "rms_norm", "rms_norm_ref", "rms_norm_triton"]
 
@@ -76,6 +65,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offse
     return w * h.to(x.dtype)
 
 
+@LazyJit
 def _rms_norm_kernel(X, W, OUT, stride_x, stride_o, N, eps, offset,
                      BLOCK: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, HAS_OFFSET: tl.constexpr):
     # One program per row; all math in fp32, rounding points as in rms_norm_ref.
@@ -83,7 +73,7 @@ def _rms_norm_kernel(X, W, OUT, stride_x, stride_o, N, eps, offset,
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     h = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    mean_sq = tl.reduce(h * h, 0, _SUM) / N  # masked columns load 0 and add nothing
+    mean_sq = tl.reduce(h * h, 0, SUM_COMBINE) / N  # masked columns load 0 and add nothing
     h = h * tl.math.rsqrt(mean_sq + eps)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if WEIGHT_IN_FP32:
@@ -95,9 +85,6 @@ def _rms_norm_kernel(X, W, OUT, stride_x, stride_o, N, eps, offset,
             w = (w + offset).to(W.dtype.element_ty).to(tl.float32)  # ``weight + 1`` in the weight dtype
         out = h.to(X.dtype.element_ty).to(tl.float32) * w  # the normalised row rounded to x's dtype first
     tl.store(OUT + row * stride_o + cols, out.to(OUT.dtype.element_ty), mask=mask)
-
-
-_rms_norm_launch = LazyJit(_rms_norm_kernel) if triton is not None else None
 
 
 def _num_warps(block: int) -> int:
@@ -118,7 +105,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_of
     out = torch.empty(rows.shape, dtype=output_dtype(x, weight, weight_in_fp32), device=x.device)
     if rows.shape[0] and width:
         block = triton.next_power_of_2(width)
-        _rms_norm_launch[(rows.shape[0],)](
+        _rms_norm_kernel[(rows.shape[0],)](
             rows, weight, out, rows.stride(0), out.stride(0), width, float(eps), float(weight_offset),
             BLOCK=block, WEIGHT_IN_FP32=bool(weight_in_fp32), HAS_OFFSET=bool(weight_offset),
             num_warps=_num_warps(block),
@@ -134,7 +121,7 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_off
     return rms_norm_ref(x, weight, eps, weight_offset, weight_in_fp32)
 
 
-@torch.library.custom_op("mla_fuser::rms_norm", mutates_args=())
+@kernel_op("rms_norm", eager=_rms_norm_impl)
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float,
                  weight_in_fp32: bool) -> torch.Tensor:
     # contiguous, as the fake impl promises (the reference keeps x's layout)
@@ -159,6 +146,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: f
     """
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return rms_norm_ref(x, weight, eps, weight_offset, weight_in_fp32)  # the kernel has no backward
-    if type(x) is torch.Tensor and not torch.compiler.is_compiling():
-        return _rms_norm_impl(x, weight, float(eps), float(weight_offset), bool(weight_in_fp32))
-    return torch.ops.mla_fuser.rms_norm(x, weight, float(eps), float(weight_offset), bool(weight_in_fp32))
+    return _rms_norm_op(x, weight, float(eps), float(weight_offset), bool(weight_in_fp32))

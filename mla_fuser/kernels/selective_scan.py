@@ -31,15 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .causal_conv1d import _SUM, _next_pow2, lazy_jit
-from .dispatch import triton_interpreting, use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
-    tl = None
+from .dispatch import SUM_COMBINE, LazyJit, kernel_op, next_pow2, tl, triton, triton_interpreting, use_triton
 
 __all__ = [
     "selective_scan",
@@ -162,181 +154,185 @@ def selective_state_update_ref(
 # ----------------------------------------------------------------------------------------------------
 
 if triton is not None:
+    # A combine function, not a launched kernel: tl.associative_scan needs it jitted already, so it is built
+    # at import (hence the guard) rather than wrapped in LazyJit.
 
     @triton.jit
     def _linear_recurrence_combine(a_l, b_l, a_r, b_r):
         # (a_l, b_l) then (a_r, b_r):  h -> a_r (a_l h + b_l) + b_r
         return a_l * a_r, a_r * b_l + b_r
 
-    @lazy_jit
-    def _selective_scan_fwd_kernel(
-        u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, seq_ptr, out_ptr, last_ptr,
-        DIM, L, N, CH_PER_GROUP,
-        stride_ub, stride_ui, stride_ul,
-        stride_db, stride_di, stride_dl,
-        stride_ai, stride_an,
-        stride_bb, stride_bg, stride_bn, stride_bl,
-        stride_cb, stride_cg, stride_cn, stride_cl,
-        stride_zb, stride_zi, stride_zl,
-        stride_sb, stride_sl,
-        stride_ob, stride_oi, stride_ol,
-        stride_hb, stride_hi, stride_hn,
-        HAS_D: tl.constexpr,
-        HAS_Z: tl.constexpr,
-        HAS_DT_BIAS: tl.constexpr,
-        SOFTPLUS: tl.constexpr,
-        HAS_SEQ: tl.constexpr,
-        STORE_LAST: tl.constexpr,
-        PREFETCH: tl.constexpr,
-        BLOCK_I: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-    ):
-        pid_i = tl.program_id(0)
-        pid_b = tl.program_id(1).to(tl.int64)
-        offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_t = tl.arange(0, BLOCK_T)
-        mask_i = offs_i < DIM
-        mask_n = offs_n < N
-        group = (pid_i * BLOCK_I) // CH_PER_GROUP  # the launcher keeps a block inside one group
 
-        LOG2E: tl.constexpr = 1.4426950408889634
-        A = tl.load(A_ptr + offs_i[:, None] * stride_ai + offs_n[None, :] * stride_an,
-                    mask=mask_i[:, None] & mask_n[None, :], other=0.0).to(tl.float32) * LOG2E
-        if HAS_D:
-            Dv = tl.load(D_ptr + offs_i, mask=mask_i, other=0.0).to(tl.float32)
+@LazyJit
+def _selective_scan_fwd_kernel(
+    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, seq_ptr, out_ptr, last_ptr,
+    DIM, L, N, CH_PER_GROUP,
+    stride_ub, stride_ui, stride_ul,
+    stride_db, stride_di, stride_dl,
+    stride_ai, stride_an,
+    stride_bb, stride_bg, stride_bn, stride_bl,
+    stride_cb, stride_cg, stride_cn, stride_cl,
+    stride_zb, stride_zi, stride_zl,
+    stride_sb, stride_sl,
+    stride_ob, stride_oi, stride_ol,
+    stride_hb, stride_hi, stride_hn,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    HAS_SEQ: tl.constexpr,
+    STORE_LAST: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    pid_i = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_t = tl.arange(0, BLOCK_T)
+    mask_i = offs_i < DIM
+    mask_n = offs_n < N
+    group = (pid_i * BLOCK_I) // CH_PER_GROUP  # the launcher keeps a block inside one group
+
+    LOG2E: tl.constexpr = 1.4426950408889634
+    A = tl.load(A_ptr + offs_i[:, None] * stride_ai + offs_n[None, :] * stride_an,
+                mask=mask_i[:, None] & mask_n[None, :], other=0.0).to(tl.float32) * LOG2E
+    if HAS_D:
+        Dv = tl.load(D_ptr + offs_i, mask=mask_i, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        dtb = tl.load(dtb_ptr + offs_i, mask=mask_i, other=0.0).to(tl.float32)
+
+    u_base = u_ptr + pid_b * stride_ub + offs_i[:, None] * stride_ui
+    dt_base = dt_ptr + pid_b * stride_db + offs_i[:, None] * stride_di
+    z_base = z_ptr + pid_b * stride_zb + offs_i[:, None] * stride_zi
+    o_base = out_ptr + pid_b * stride_ob + offs_i[:, None] * stride_oi
+    b_base = B_ptr + pid_b * stride_bb + group * stride_bg + offs_n[:, None] * stride_bn
+    c_base = C_ptr + pid_b * stride_cb + group * stride_cg + offs_n[:, None] * stride_cn
+
+    h = tl.full((BLOCK_I, BLOCK_N), 0.0, tl.float32)
+    if HAS_SEQ:
+        seq_prev = tl.load(seq_ptr + pid_b * stride_sb)
+    if PREFETCH:  # tile 0's raw inputs; inside the loop the next tile's loads overlap this one's math
+        m0_it = mask_i[:, None] & (offs_t < L)[None, :]
+        m0_nt = mask_n[:, None] & (offs_t < L)[None, :]
+        u_nx = tl.load(u_base + offs_t[None, :] * stride_ul, mask=m0_it, other=0.0)
+        dt_nx = tl.load(dt_base + offs_t[None, :] * stride_dl, mask=m0_it, other=0.0)
+        b_nx = tl.load(b_base + offs_t[None, :] * stride_bl, mask=m0_nt, other=0.0)
+        c_nx = tl.load(c_base + offs_t[None, :] * stride_cl, mask=m0_nt, other=0.0)
+    for t0 in range(0, L, BLOCK_T):
+        t = (t0 + offs_t).to(tl.int64)  # token offsets times strides can pass 2**31
+        mask_t = t < L
+        m_it = mask_i[:, None] & mask_t[None, :]
+        m_nt = mask_n[:, None] & mask_t[None, :]
+        if PREFETCH:
+            u = u_nx.to(tl.float32)
+            dt = dt_nx.to(tl.float32)
+            Bt = b_nx.to(tl.float32)
+            Ct = c_nx.to(tl.float32)
+            tn = t + BLOCK_T
+            mn_it = mask_i[:, None] & (tn < L)[None, :]
+            mn_nt = mask_n[:, None] & (tn < L)[None, :]
+            u_nx = tl.load(u_base + tn[None, :] * stride_ul, mask=mn_it, other=0.0)
+            dt_nx = tl.load(dt_base + tn[None, :] * stride_dl, mask=mn_it, other=0.0)
+            b_nx = tl.load(b_base + tn[None, :] * stride_bl, mask=mn_nt, other=0.0)
+            c_nx = tl.load(c_base + tn[None, :] * stride_cl, mask=mn_nt, other=0.0)
+        else:
+            u = tl.load(u_base + t[None, :] * stride_ul, mask=m_it, other=0.0).to(tl.float32)
+            dt = tl.load(dt_base + t[None, :] * stride_dl, mask=m_it, other=0.0).to(tl.float32)
+            Bt = tl.load(b_base + t[None, :] * stride_bl, mask=m_nt, other=0.0).to(tl.float32)
+            Ct = tl.load(c_base + t[None, :] * stride_cl, mask=m_nt, other=0.0).to(tl.float32)
         if HAS_DT_BIAS:
-            dtb = tl.load(dtb_ptr + offs_i, mask=mask_i, other=0.0).to(tl.float32)
-
-        u_base = u_ptr + pid_b * stride_ub + offs_i[:, None] * stride_ui
-        dt_base = dt_ptr + pid_b * stride_db + offs_i[:, None] * stride_di
-        z_base = z_ptr + pid_b * stride_zb + offs_i[:, None] * stride_zi
-        o_base = out_ptr + pid_b * stride_ob + offs_i[:, None] * stride_oi
-        b_base = B_ptr + pid_b * stride_bb + group * stride_bg + offs_n[:, None] * stride_bn
-        c_base = C_ptr + pid_b * stride_cb + group * stride_cg + offs_n[:, None] * stride_cn
-
-        h = tl.full((BLOCK_I, BLOCK_N), 0.0, tl.float32)
-        if HAS_SEQ:
-            seq_prev = tl.load(seq_ptr + pid_b * stride_sb)
-        if PREFETCH:  # tile 0's raw inputs; inside the loop the next tile's loads overlap this one's math
-            m0_it = mask_i[:, None] & (offs_t < L)[None, :]
-            m0_nt = mask_n[:, None] & (offs_t < L)[None, :]
-            u_nx = tl.load(u_base + offs_t[None, :] * stride_ul, mask=m0_it, other=0.0)
-            dt_nx = tl.load(dt_base + offs_t[None, :] * stride_dl, mask=m0_it, other=0.0)
-            b_nx = tl.load(b_base + offs_t[None, :] * stride_bl, mask=m0_nt, other=0.0)
-            c_nx = tl.load(c_base + offs_t[None, :] * stride_cl, mask=m0_nt, other=0.0)
-        for t0 in range(0, L, BLOCK_T):
-            t = (t0 + offs_t).to(tl.int64)  # token offsets times strides can pass 2**31
-            mask_t = t < L
-            m_it = mask_i[:, None] & mask_t[None, :]
-            m_nt = mask_n[:, None] & mask_t[None, :]
-            if PREFETCH:
-                u = u_nx.to(tl.float32)
-                dt = dt_nx.to(tl.float32)
-                Bt = b_nx.to(tl.float32)
-                Ct = c_nx.to(tl.float32)
-                tn = t + BLOCK_T
-                mn_it = mask_i[:, None] & (tn < L)[None, :]
-                mn_nt = mask_n[:, None] & (tn < L)[None, :]
-                u_nx = tl.load(u_base + tn[None, :] * stride_ul, mask=mn_it, other=0.0)
-                dt_nx = tl.load(dt_base + tn[None, :] * stride_dl, mask=mn_it, other=0.0)
-                b_nx = tl.load(b_base + tn[None, :] * stride_bl, mask=mn_nt, other=0.0)
-                c_nx = tl.load(c_base + tn[None, :] * stride_cl, mask=mn_nt, other=0.0)
-            else:
-                u = tl.load(u_base + t[None, :] * stride_ul, mask=m_it, other=0.0).to(tl.float32)
-                dt = tl.load(dt_base + t[None, :] * stride_dl, mask=m_it, other=0.0).to(tl.float32)
-                Bt = tl.load(b_base + t[None, :] * stride_bl, mask=m_nt, other=0.0).to(tl.float32)
-                Ct = tl.load(c_base + t[None, :] * stride_cl, mask=m_nt, other=0.0).to(tl.float32)
-            if HAS_DT_BIAS:
-                dt += dtb[:, None]
-            if SOFTPLUS:
-                dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
-            dt = tl.where(m_it, dt, 0.0)  # padded tokens: decay 1, input 0 -> state unchanged
-
-            dA = tl.exp2(dt[:, None, :] * A[:, :, None])  # [I, N, T]
-            dBu = (dt * u)[:, None, :] * Bt[None, :, :]
-            if HAS_SEQ:
-                seq_t = tl.load(seq_ptr + pid_b * stride_sb + t * stride_sl, mask=mask_t, other=0)
-                seq_before = tl.load(seq_ptr + pid_b * stride_sb + (t - 1) * stride_sl, mask=mask_t & (t > 0), other=0)
-                seq_before = tl.where(offs_t == 0, seq_prev, seq_before)
-                restart = (seq_t != seq_before) & mask_t
-                dA = tl.where(restart[None, None, :], 0.0, dA)
-                seq_prev = tl.load(seq_ptr + pid_b * stride_sb + tl.minimum(t0 + BLOCK_T, L).to(tl.int64) * stride_sl - stride_sl)
-            a_cum, b_cum = tl.associative_scan((dA, dBu), axis=2, combine_fn=_linear_recurrence_combine)
-            hs = a_cum * h[:, :, None] + b_cum  # state after each token of the tile
-            y = tl.reduce(hs * Ct[None, :, :], 1, _SUM)  # [I, T]
-            h = tl.reduce(tl.where((offs_t == BLOCK_T - 1)[None, None, :], hs, 0.0), 2, _SUM)
-            if HAS_D:
-                y += u * Dv[:, None]
-            if HAS_Z:
-                zv = tl.load(z_base + t[None, :] * stride_zl, mask=m_it, other=0.0).to(tl.float32)
-                y = y * zv / (1.0 + tl.exp(-zv))
-            tl.store(o_base + t[None, :] * stride_ol, y.to(out_ptr.dtype.element_ty), mask=m_it)
-
-        if STORE_LAST:
-            tl.store(last_ptr + pid_b * stride_hb + offs_i[:, None] * stride_hi + offs_n[None, :] * stride_hn,
-                     h, mask=mask_i[:, None] & mask_n[None, :])
-
-    @lazy_jit
-    def _state_update_kernel(
-        state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, out_ptr,
-        P, N, HEADS_PER_GROUP,
-        stride_sb, stride_sh, stride_sp, stride_sn,
-        stride_xb, stride_xh, stride_xp,
-        stride_db, stride_dh, stride_dp,
-        stride_ah, stride_ap, stride_an,
-        stride_bb, stride_bg, stride_bn,
-        stride_cb, stride_cg, stride_cn,
-        stride_Dh, stride_Dp,
-        stride_zb, stride_zh, stride_zp,
-        stride_tbh, stride_tbp,
-        stride_ob, stride_oh, stride_op,
-        HAS_D: tl.constexpr,
-        HAS_Z: tl.constexpr,
-        HAS_DT_BIAS: tl.constexpr,
-        SOFTPLUS: tl.constexpr,
-        A_PER_HEAD: tl.constexpr,
-        BLOCK_P: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        # One program: BLOCK_P rows of one head's [P, N] state; read, update in fp32, write back.
-        pid_p = tl.program_id(0)
-        pid_h = tl.program_id(1).to(tl.int64)
-        pid_b = tl.program_id(2).to(tl.int64)
-        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-        offs_n = tl.arange(0, BLOCK_N)
-        mask_p = offs_p < P
-        mask_n = offs_n < N
-        m_pn = mask_p[:, None] & mask_n[None, :]
-        group = pid_h // HEADS_PER_GROUP
-
-        s_ptrs = state_ptr + pid_b * stride_sb + pid_h * stride_sh + offs_p[:, None] * stride_sp + offs_n[None, :] * stride_sn
-        s = tl.load(s_ptrs, mask=m_pn, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + pid_b * stride_xb + pid_h * stride_xh + offs_p * stride_xp, mask=mask_p, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + pid_b * stride_db + pid_h * stride_dh + offs_p * stride_dp, mask=mask_p, other=0.0).to(tl.float32)
-        if HAS_DT_BIAS:
-            dt += tl.load(dtb_ptr + pid_h * stride_tbh + offs_p * stride_tbp, mask=mask_p, other=0.0).to(tl.float32)
+            dt += dtb[:, None]
         if SOFTPLUS:
             dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
-        if A_PER_HEAD:  # Mamba-2: one scalar A per head -> one exp per row
-            a = tl.load(A_ptr + pid_h * stride_ah).to(tl.float32)
-            dA = tl.exp(dt * a)[:, None]
-        else:
-            A = tl.load(A_ptr + pid_h * stride_ah + offs_p[:, None] * stride_ap + offs_n[None, :] * stride_an,
-                        mask=m_pn, other=0.0).to(tl.float32)
-            dA = tl.exp(dt[:, None] * A)
-        Bv = tl.load(B_ptr + pid_b * stride_bb + group * stride_bg + offs_n * stride_bn, mask=mask_n, other=0.0).to(tl.float32)
-        Cv = tl.load(C_ptr + pid_b * stride_cb + group * stride_cg + offs_n * stride_cn, mask=mask_n, other=0.0).to(tl.float32)
-        s = s * dA + (dt * x)[:, None] * Bv[None, :]
-        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_pn)
-        y = tl.reduce(s * Cv[None, :], 1, _SUM)
+        dt = tl.where(m_it, dt, 0.0)  # padded tokens: decay 1, input 0 -> state unchanged
+
+        dA = tl.exp2(dt[:, None, :] * A[:, :, None])  # [I, N, T]
+        dBu = (dt * u)[:, None, :] * Bt[None, :, :]
+        if HAS_SEQ:
+            seq_t = tl.load(seq_ptr + pid_b * stride_sb + t * stride_sl, mask=mask_t, other=0)
+            seq_before = tl.load(seq_ptr + pid_b * stride_sb + (t - 1) * stride_sl, mask=mask_t & (t > 0), other=0)
+            seq_before = tl.where(offs_t == 0, seq_prev, seq_before)
+            restart = (seq_t != seq_before) & mask_t
+            dA = tl.where(restart[None, None, :], 0.0, dA)
+            seq_prev = tl.load(seq_ptr + pid_b * stride_sb + tl.minimum(t0 + BLOCK_T, L).to(tl.int64) * stride_sl - stride_sl)
+        a_cum, b_cum = tl.associative_scan((dA, dBu), axis=2, combine_fn=_linear_recurrence_combine)
+        hs = a_cum * h[:, :, None] + b_cum  # state after each token of the tile
+        y = tl.reduce(hs * Ct[None, :, :], 1, SUM_COMBINE)  # [I, T]
+        h = tl.reduce(tl.where((offs_t == BLOCK_T - 1)[None, None, :], hs, 0.0), 2, SUM_COMBINE)
         if HAS_D:
-            y += x * tl.load(D_ptr + pid_h * stride_Dh + offs_p * stride_Dp, mask=mask_p, other=0.0).to(tl.float32)
+            y += u * Dv[:, None]
         if HAS_Z:
-            zv = tl.load(z_ptr + pid_b * stride_zb + pid_h * stride_zh + offs_p * stride_zp, mask=mask_p, other=0.0).to(tl.float32)
+            zv = tl.load(z_base + t[None, :] * stride_zl, mask=m_it, other=0.0).to(tl.float32)
             y = y * zv / (1.0 + tl.exp(-zv))
-        tl.store(out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_p * stride_op, y.to(out_ptr.dtype.element_ty), mask=mask_p)
+        tl.store(o_base + t[None, :] * stride_ol, y.to(out_ptr.dtype.element_ty), mask=m_it)
+
+    if STORE_LAST:
+        tl.store(last_ptr + pid_b * stride_hb + offs_i[:, None] * stride_hi + offs_n[None, :] * stride_hn,
+                 h, mask=mask_i[:, None] & mask_n[None, :])
+
+
+@LazyJit
+def _state_update_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, out_ptr,
+    P, N, HEADS_PER_GROUP,
+    stride_sb, stride_sh, stride_sp, stride_sn,
+    stride_xb, stride_xh, stride_xp,
+    stride_db, stride_dh, stride_dp,
+    stride_ah, stride_ap, stride_an,
+    stride_bb, stride_bg, stride_bn,
+    stride_cb, stride_cg, stride_cn,
+    stride_Dh, stride_Dp,
+    stride_zb, stride_zh, stride_zp,
+    stride_tbh, stride_tbp,
+    stride_ob, stride_oh, stride_op,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    A_PER_HEAD: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # One program: BLOCK_P rows of one head's [P, N] state; read, update in fp32, write back.
+    pid_p = tl.program_id(0)
+    pid_h = tl.program_id(1).to(tl.int64)
+    pid_b = tl.program_id(2).to(tl.int64)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    m_pn = mask_p[:, None] & mask_n[None, :]
+    group = pid_h // HEADS_PER_GROUP
+
+    s_ptrs = state_ptr + pid_b * stride_sb + pid_h * stride_sh + offs_p[:, None] * stride_sp + offs_n[None, :] * stride_sn
+    s = tl.load(s_ptrs, mask=m_pn, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + pid_b * stride_xb + pid_h * stride_xh + offs_p * stride_xp, mask=mask_p, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + pid_b * stride_db + pid_h * stride_dh + offs_p * stride_dp, mask=mask_p, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        dt += tl.load(dtb_ptr + pid_h * stride_tbh + offs_p * stride_tbp, mask=mask_p, other=0.0).to(tl.float32)
+    if SOFTPLUS:
+        dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
+    if A_PER_HEAD:  # Mamba-2: one scalar A per head -> one exp per row
+        a = tl.load(A_ptr + pid_h * stride_ah).to(tl.float32)
+        dA = tl.exp(dt * a)[:, None]
+    else:
+        A = tl.load(A_ptr + pid_h * stride_ah + offs_p[:, None] * stride_ap + offs_n[None, :] * stride_an,
+                    mask=m_pn, other=0.0).to(tl.float32)
+        dA = tl.exp(dt[:, None] * A)
+    Bv = tl.load(B_ptr + pid_b * stride_bb + group * stride_bg + offs_n * stride_bn, mask=mask_n, other=0.0).to(tl.float32)
+    Cv = tl.load(C_ptr + pid_b * stride_cb + group * stride_cg + offs_n * stride_cn, mask=mask_n, other=0.0).to(tl.float32)
+    s = s * dA + (dt * x)[:, None] * Bv[None, :]
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_pn)
+    y = tl.reduce(s * Cv[None, :], 1, SUM_COMBINE)
+    if HAS_D:
+        y += x * tl.load(D_ptr + pid_h * stride_Dh + offs_p * stride_Dp, mask=mask_p, other=0.0).to(tl.float32)
+    if HAS_Z:
+        zv = tl.load(z_ptr + pid_b * stride_zb + pid_h * stride_zh + offs_p * stride_zp, mask=mask_p, other=0.0).to(tl.float32)
+        y = y * zv / (1.0 + tl.exp(-zv))
+    tl.store(out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_p * stride_op, y.to(out_ptr.dtype.element_ty), mask=mask_p)
 
 
 def _largest_pow2_divisor(n: int, cap: int) -> int:
@@ -364,7 +360,7 @@ def _scan_launch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, seq_idx, r
     ch_per_group = dim // groups
     out = _scan_out_like(u)
     last = torch.empty(bsz, dim, dstate, dtype=torch.float32, device=u.device) if return_last_state else out
-    block_n = _next_pow2(dstate)
+    block_n = next_pow2(dstate)
     if triton_interpreting():
         block_i = block_i or 4
         block_t = block_t or 8
@@ -415,11 +411,11 @@ def _update_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
     groups = B4.shape[1]
     y = torch.empty(bsz, heads, hdim, dtype=x.dtype, device=x.device)
     a_per_head = A4.stride(1) == 0 and A4.stride(2) == 0
-    block_n = _next_pow2(dstate)
+    block_n = next_pow2(dstate)
     if triton_interpreting():
         block_p = 16
     else:
-        block_p = max(1, min(_next_pow2(hdim), 4096 // block_n, 64))
+        block_p = max(1, min(next_pow2(hdim), 4096 // block_n, 64))
     z_t = z4 if z4 is not None else x4
     D_t = D4 if D4 is not None else s4[0, :, :, 0]
     b_t = bias4 if bias4 is not None else s4[0, :, :, 0]
@@ -450,11 +446,11 @@ def _update_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
 
 
 # ----------------------------------------------------------------------------------------------------
-# custom ops
+# custom ops (opaque to torch.compile / dynamo; fake impls give shapes; eager calls skip the dispatcher)
 # ----------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("mla_fuser::selective_scan_fwd", mutates_args=())
+@kernel_op("selective_scan_fwd")
 def _selective_scan_fwd_op(
     u: torch.Tensor,
     delta: torch.Tensor,
@@ -481,7 +477,7 @@ def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, seq_idx, return_last_
     return _scan_out_like(u), last
 
 
-@torch.library.custom_op("mla_fuser::selective_state_update", mutates_args=("state",))
+@kernel_op("selective_state_update", mutates_args=("state",))
 def _selective_state_update_op(
     state: torch.Tensor,
     x: torch.Tensor,
@@ -532,11 +528,8 @@ def selective_scan(
     if A.is_complex():
         raise NotImplementedError("complex A is not supported")
     if use_triton(u, delta, A, B, C):
-        args = (u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), seq_idx, bool(return_last_state))
-        if torch.compiler.is_compiling():
-            out, last = torch.ops.mla_fuser.selective_scan_fwd(*args)
-        else:  # eager: skip the custom-op dispatcher (~10-20 us a call)
-            out, last = _scan_launch(*args)
+        out, last = _selective_scan_fwd_op(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), seq_idx,
+                                           bool(return_last_state))
         return (out, last) if return_last_state else out
     return selective_scan_ref(
         u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, seq_idx=seq_idx
@@ -565,8 +558,5 @@ def selective_state_update(
     with transformers' ``mamba_selective_state_update`` / ``mamba2_selective_state_update``.
     """
     if use_triton(state, x, dt, A, B, C):
-        args = (state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus))
-        if torch.compiler.is_compiling():
-            return torch.ops.mla_fuser.selective_state_update(*args)
-        return _update_launch(*args)  # eager: skip the custom-op dispatcher (~10-20 us a call)
+        return _selective_state_update_op(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus))
     return selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)

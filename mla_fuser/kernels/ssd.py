@@ -37,16 +37,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .causal_conv1d import _SUM, _next_pow2, lazy_jit
-from .dispatch import triton_interpreting, use_triton
+from .dispatch import SUM_COMBINE, LazyJit, kernel_op, next_pow2, tl, triton, triton_interpreting, use_triton
 from .selective_scan import selective_state_update, selective_state_update_ref
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
-    tl = None
 
 __all__ = [
     "mamba_chunk_scan_combined",
@@ -161,151 +153,150 @@ def ssd_state_update_ref(
 # Triton kernel
 # ----------------------------------------------------------------------------------------------------
 
-if triton is not None:
 
-    @lazy_jit
-    def _ssd_chunk_scan_fwd_kernel(
-        x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, init_ptr, seq_ptr, out_ptr, final_ptr,
-        L, P, N, HEADS_PER_GROUP, dt_min, dt_max,
-        stride_xb, stride_xl, stride_xh, stride_xp,
-        stride_db, stride_dl, stride_dh,
-        stride_bb, stride_bl, stride_bg, stride_bn,
-        stride_cb, stride_cl, stride_cg, stride_cn,
-        stride_Dh, stride_Dp,
-        stride_zb, stride_zl, stride_zh, stride_zp,
-        stride_ib, stride_ih, stride_ip, stride_in,
-        stride_sb, stride_sl,
-        stride_ob, stride_ol, stride_oh, stride_op,
-        stride_fb, stride_fh, stride_fp, stride_fn,
-        HAS_D: tl.constexpr,
-        HAS_Z: tl.constexpr,
-        HAS_DT_BIAS: tl.constexpr,
-        SOFTPLUS: tl.constexpr,
-        HAS_DT_LIMIT: tl.constexpr,
-        HAS_INIT: tl.constexpr,
-        HAS_SEQ: tl.constexpr,
-        DOT_PREC: tl.constexpr,
-        UPCAST_DOT: tl.constexpr,
-        BLOCK_L: tl.constexpr,
-        BLOCK_P: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        pid_p = tl.program_id(0)
-        pid_h = tl.program_id(1).to(tl.int64)
-        pid_b = tl.program_id(2).to(tl.int64)
-        offs_l = tl.arange(0, BLOCK_L)
-        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-        offs_n = tl.arange(0, BLOCK_N)
-        mask_p = offs_p < P
-        mask_n = offs_n < N
-        group = pid_h // HEADS_PER_GROUP
-        LOG2E: tl.constexpr = 1.4426950408889634
+@LazyJit
+def _ssd_chunk_scan_fwd_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, init_ptr, seq_ptr, out_ptr, final_ptr,
+    L, P, N, HEADS_PER_GROUP, dt_min, dt_max,
+    stride_xb, stride_xl, stride_xh, stride_xp,
+    stride_db, stride_dl, stride_dh,
+    stride_bb, stride_bl, stride_bg, stride_bn,
+    stride_cb, stride_cl, stride_cg, stride_cn,
+    stride_Dh, stride_Dp,
+    stride_zb, stride_zl, stride_zh, stride_zp,
+    stride_ib, stride_ih, stride_ip, stride_in,
+    stride_sb, stride_sl,
+    stride_ob, stride_ol, stride_oh, stride_op,
+    stride_fb, stride_fh, stride_fp, stride_fn,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    HAS_DT_LIMIT: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    HAS_SEQ: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    pid_h = tl.program_id(1).to(tl.int64)
+    pid_b = tl.program_id(2).to(tl.int64)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    group = pid_h // HEADS_PER_GROUP
+    LOG2E: tl.constexpr = 1.4426950408889634
 
-        a_h = tl.load(A_ptr + pid_h).to(tl.float32) * LOG2E  # decays below are exp2(cs) with cs in log2 units
+    a_h = tl.load(A_ptr + pid_h).to(tl.float32) * LOG2E  # decays below are exp2(cs) with cs in log2 units
+    if HAS_DT_BIAS:
+        dtb = tl.load(dtb_ptr + pid_h).to(tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + pid_h * stride_Dh + offs_p * stride_Dp, mask=mask_p, other=0.0).to(tl.float32)
+
+    x_base = x_ptr + pid_b * stride_xb + pid_h * stride_xh + offs_p[None, :] * stride_xp
+    z_base = z_ptr + pid_b * stride_zb + pid_h * stride_zh + offs_p[None, :] * stride_zp
+    o_base = out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_p[None, :] * stride_op
+    b_base = B_ptr + pid_b * stride_bb + group * stride_bg + offs_n[None, :] * stride_bn
+    c_base = C_ptr + pid_b * stride_cb + group * stride_cg + offs_n[None, :] * stride_cn
+    dt_base = dt_ptr + pid_b * stride_db + pid_h * stride_dh
+
+    if HAS_INIT:
+        state = tl.load(
+            init_ptr + pid_b * stride_ib + pid_h * stride_ih + offs_p[:, None] * stride_ip + offs_n[None, :] * stride_in,
+            mask=mask_p[:, None] & mask_n[None, :], other=0.0,
+        ).to(tl.float32)
+    else:
+        state = tl.full((BLOCK_P, BLOCK_N), 0.0, tl.float32)
+    causal = offs_l[:, None] >= offs_l[None, :]
+    if HAS_SEQ:
+        seq_prev = tl.load(seq_ptr + pid_b * stride_sb)
+
+    for c0 in range(0, L, BLOCK_L):
+        t = (c0 + offs_l).to(tl.int64)  # token offsets times strides can pass 2**31
+        mask_t = t < L
+        dt = tl.load(dt_base + t * stride_dl, mask=mask_t, other=0.0).to(tl.float32)
         if HAS_DT_BIAS:
-            dtb = tl.load(dtb_ptr + pid_h).to(tl.float32)
-        if HAS_D:
-            Dv = tl.load(D_ptr + pid_h * stride_Dh + offs_p * stride_Dp, mask=mask_p, other=0.0).to(tl.float32)
+            dt += dtb
+        if SOFTPLUS:
+            dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
+        if HAS_DT_LIMIT:
+            dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        dt = tl.where(mask_t, dt, 0.0)
+        dA = dt * a_h
+        cs = tl.associative_scan(dA, 0, SUM_COMBINE)  # [L]
+        cs_last = tl.reduce(dA, 0, SUM_COMBINE)
 
-        x_base = x_ptr + pid_b * stride_xb + pid_h * stride_xh + offs_p[None, :] * stride_xp
-        z_base = z_ptr + pid_b * stride_zb + pid_h * stride_zh + offs_p[None, :] * stride_zp
-        o_base = out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_p[None, :] * stride_op
-        b_base = B_ptr + pid_b * stride_bb + group * stride_bg + offs_n[None, :] * stride_bn
-        c_base = C_ptr + pid_b * stride_cb + group * stride_cg + offs_n[None, :] * stride_cn
-        dt_base = dt_ptr + pid_b * stride_db + pid_h * stride_dh
+        xc = tl.load(x_base + t[:, None] * stride_xl, mask=mask_t[:, None] & mask_p[None, :], other=0.0)
+        in_ty = xc.dtype
+        bc = tl.load(b_base + t[:, None] * stride_bl, mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+        cc = tl.load(c_base + t[:, None] * stride_cl, mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+        # Dot operands are rounded to the input dtype (tensor cores for bf16/fp16).  Triton's
+        # interpreter (3.9) multiplies bf16 tiles as their raw uint16 bits, so under it the rounded
+        # tiles are widened back to fp32 (UPCAST_DOT): the same numbers as a bf16 -> fp32 dot.
+        xd = xc.to(in_ty)
+        bd = bc.to(in_ty)
+        cd = cc.to(in_ty)
+        if UPCAST_DOT:
+            xd = xd.to(tl.float32)
+            bd = bd.to(tl.float32)
+            cd = cd.to(tl.float32)
 
-        if HAS_INIT:
-            state = tl.load(
-                init_ptr + pid_b * stride_ib + pid_h * stride_ih + offs_p[:, None] * stride_ip + offs_n[None, :] * stride_in,
-                mask=mask_p[:, None] & mask_n[None, :], other=0.0,
-            ).to(tl.float32)
-        else:
-            state = tl.full((BLOCK_P, BLOCK_N), 0.0, tl.float32)
-        causal = offs_l[:, None] >= offs_l[None, :]
         if HAS_SEQ:
-            seq_prev = tl.load(seq_ptr + pid_b * stride_sb)
+            seq_t = tl.load(seq_ptr + pid_b * stride_sb + t * stride_sl, mask=mask_t, other=-1)
+            last_t = tl.minimum(c0 + BLOCK_L, L) - 1
+            seq_last = tl.load(seq_ptr + pid_b * stride_sb + last_t * stride_sl)
 
-        for c0 in range(0, L, BLOCK_L):
-            t = (c0 + offs_l).to(tl.int64)  # token offsets times strides can pass 2**31
-            mask_t = t < L
-            dt = tl.load(dt_base + t * stride_dl, mask=mask_t, other=0.0).to(tl.float32)
-            if HAS_DT_BIAS:
-                dt += dtb
-            if SOFTPLUS:
-                dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
-            if HAS_DT_LIMIT:
-                dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-            dt = tl.where(mask_t, dt, 0.0)
-            dA = dt * a_h
-            cs = tl.associative_scan(dA, 0, _SUM)  # [L]
-            cs_last = tl.reduce(dA, 0, _SUM)
+        # intra-chunk: scores C_t . B_s, decayed and causally masked
+        cb = tl.dot(cd, tl.trans(bd), input_precision=DOT_PREC)  # [L, L] fp32
+        keep = causal
+        if HAS_SEQ:
+            keep = keep & (seq_t[:, None] == seq_t[None, :])
+        seg = tl.where(keep, cs[:, None] - cs[None, :], float("-inf"))
+        m = cb * tl.exp2(seg) * dt[None, :]
+        md = m.to(in_ty)
+        if UPCAST_DOT:
+            md = md.to(tl.float32)
+        y = tl.dot(md, xd, input_precision=DOT_PREC)  # [L, P]
 
-            xc = tl.load(x_base + t[:, None] * stride_xl, mask=mask_t[:, None] & mask_p[None, :], other=0.0)
-            in_ty = xc.dtype
-            bc = tl.load(b_base + t[:, None] * stride_bl, mask=mask_t[:, None] & mask_n[None, :], other=0.0)
-            cc = tl.load(c_base + t[:, None] * stride_cl, mask=mask_t[:, None] & mask_n[None, :], other=0.0)
-            # Dot operands are rounded to the input dtype (tensor cores for bf16/fp16).  Triton's
-            # interpreter (3.9) multiplies bf16 tiles as their raw uint16 bits, so under it the rounded
-            # tiles are widened back to fp32 (UPCAST_DOT): the same numbers as a bf16 -> fp32 dot.
-            xd = xc.to(in_ty)
-            bd = bc.to(in_ty)
-            cd = cc.to(in_ty)
-            if UPCAST_DOT:
-                xd = xd.to(tl.float32)
-                bd = bd.to(tl.float32)
-                cd = cd.to(tl.float32)
+        # inter-chunk: the carried state seen through C, decayed from the chunk start
+        sd = state.to(in_ty)
+        if UPCAST_DOT:
+            sd = sd.to(tl.float32)
+        y_off = tl.dot(cd, tl.trans(sd), input_precision=DOT_PREC)  # [L, P]
+        row_decay = tl.exp2(cs)
+        if HAS_SEQ:
+            row_decay = tl.where(seq_t == seq_prev, row_decay, 0.0)
+        y += y_off * row_decay[:, None]
 
-            if HAS_SEQ:
-                seq_t = tl.load(seq_ptr + pid_b * stride_sb + t * stride_sl, mask=mask_t, other=-1)
-                last_t = tl.minimum(c0 + BLOCK_L, L) - 1
-                seq_last = tl.load(seq_ptr + pid_b * stride_sb + last_t * stride_sl)
+        if HAS_D:
+            y += xc.to(tl.float32) * Dv[None, :]
+        m_lp = mask_t[:, None] & mask_p[None, :]
+        if HAS_Z:
+            zv = tl.load(z_base + t[:, None] * stride_zl, mask=m_lp, other=0.0).to(tl.float32)
+            y = y * zv / (1.0 + tl.exp(-zv))
+        tl.store(o_base + t[:, None] * stride_ol, y.to(out_ptr.dtype.element_ty), mask=m_lp)
 
-            # intra-chunk: scores C_t . B_s, decayed and causally masked
-            cb = tl.dot(cd, tl.trans(bd), input_precision=DOT_PREC)  # [L, L] fp32
-            keep = causal
-            if HAS_SEQ:
-                keep = keep & (seq_t[:, None] == seq_t[None, :])
-            seg = tl.where(keep, cs[:, None] - cs[None, :], float("-inf"))
-            m = cb * tl.exp2(seg) * dt[None, :]
-            md = m.to(in_ty)
-            if UPCAST_DOT:
-                md = md.to(tl.float32)
-            y = tl.dot(md, xd, input_precision=DOT_PREC)  # [L, P]
+        # carry the state to the end of the chunk
+        w = tl.exp2(cs_last - cs) * dt  # [L]
+        state_decay = tl.exp2(cs_last)
+        if HAS_SEQ:
+            w = tl.where(seq_t == seq_last, w, 0.0)
+            state_decay = tl.where(seq_last == seq_prev, state_decay, 0.0)
+            seq_prev = seq_last
+        bw = (bc.to(tl.float32) * w[:, None]).to(in_ty)
+        if UPCAST_DOT:
+            bw = bw.to(tl.float32)
+        state = state * state_decay + tl.dot(tl.trans(xd), bw, input_precision=DOT_PREC)  # [P, N]
 
-            # inter-chunk: the carried state seen through C, decayed from the chunk start
-            sd = state.to(in_ty)
-            if UPCAST_DOT:
-                sd = sd.to(tl.float32)
-            y_off = tl.dot(cd, tl.trans(sd), input_precision=DOT_PREC)  # [L, P]
-            row_decay = tl.exp2(cs)
-            if HAS_SEQ:
-                row_decay = tl.where(seq_t == seq_prev, row_decay, 0.0)
-            y += y_off * row_decay[:, None]
-
-            if HAS_D:
-                y += xc.to(tl.float32) * Dv[None, :]
-            m_lp = mask_t[:, None] & mask_p[None, :]
-            if HAS_Z:
-                zv = tl.load(z_base + t[:, None] * stride_zl, mask=m_lp, other=0.0).to(tl.float32)
-                y = y * zv / (1.0 + tl.exp(-zv))
-            tl.store(o_base + t[:, None] * stride_ol, y.to(out_ptr.dtype.element_ty), mask=m_lp)
-
-            # carry the state to the end of the chunk
-            w = tl.exp2(cs_last - cs) * dt  # [L]
-            state_decay = tl.exp2(cs_last)
-            if HAS_SEQ:
-                w = tl.where(seq_t == seq_last, w, 0.0)
-                state_decay = tl.where(seq_last == seq_prev, state_decay, 0.0)
-                seq_prev = seq_last
-            bw = (bc.to(tl.float32) * w[:, None]).to(in_ty)
-            if UPCAST_DOT:
-                bw = bw.to(tl.float32)
-            state = state * state_decay + tl.dot(tl.trans(xd), bw, input_precision=DOT_PREC)  # [P, N]
-
-        tl.store(
-            final_ptr + pid_b * stride_fb + pid_h * stride_fh + offs_p[:, None] * stride_fp + offs_n[None, :] * stride_fn,
-            state, mask=mask_p[:, None] & mask_n[None, :],
-        )
+    tl.store(
+        final_ptr + pid_b * stride_fb + pid_h * stride_fh + offs_p[:, None] * stride_fp + offs_n[None, :] * stride_fn,
+        state, mask=mask_p[:, None] & mask_n[None, :],
+    )
 
 
 def _ssd_launch(x, dt, A, B, C, D, z, dt_bias, dt_softplus, initial_states, seq_idx, dt_min, dt_max,
@@ -316,7 +307,7 @@ def _ssd_launch(x, dt, A, B, C, D, z, dt_bias, dt_softplus, initial_states, seq_
         raise ValueError(f"{heads} heads are not divisible into {groups} groups")
     out = torch.empty(bsz, seqlen, heads, hdim, dtype=x.dtype, device=x.device)
     final = torch.empty(bsz, heads, hdim, dstate, dtype=torch.float32, device=x.device)
-    block_n = max(16, _next_pow2(dstate))
+    block_n = max(16, next_pow2(dstate))
     if triton_interpreting():
         block_l = block_l or 16
         block_p = block_p or 16
@@ -325,7 +316,7 @@ def _ssd_launch(x, dt, A, B, C, D, z, dt_bias, dt_softplus, initial_states, seq_
         # (0.16 ms) beat splitting heads into 16/32-channel blocks for more programs (0.2-0.5 ms)
         block_l = block_l or 64
         block_p = block_p or 64
-    block_p = max(16, min(block_p, _next_pow2(hdim)))
+    block_p = max(16, min(block_p, next_pow2(hdim)))
     num_warps = num_warps or 4
     upcast_dot = triton_interpreting() and x.dtype != torch.float32
     dot_prec = "ieee" if x.dtype == torch.float32 or upcast_dot else "tf32"
@@ -374,11 +365,11 @@ def _ssd_launch(x, dt, A, B, C, D, z, dt_bias, dt_softplus, initial_states, seq_
 
 
 # ----------------------------------------------------------------------------------------------------
-# custom op
+# custom op (opaque to torch.compile / dynamo; fake impl gives shapes; eager calls skip the dispatcher)
 # ----------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("mla_fuser::ssd_chunk_scan_fwd", mutates_args=())
+@kernel_op("ssd_chunk_scan_fwd")
 def _ssd_chunk_scan_fwd_op(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -430,11 +421,8 @@ def ssd_chunk_scan(
     Returns ``(y [B, L, H, P] in x's dtype, final_state [B, H, P, N] fp32)``.  Inference only.
     """
     if use_triton(x, dt, A, B, C):
-        args = (x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), initial_states, seq_idx,
-                float(dt_limit[0]), float(dt_limit[1]))
-        if torch.compiler.is_compiling():
-            return torch.ops.mla_fuser.ssd_chunk_scan_fwd(*args)
-        return _ssd_launch(*args)  # eager: skip the custom-op dispatcher (~10-20 us a call)
+        return _ssd_chunk_scan_fwd_op(x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), initial_states, seq_idx,
+                                      float(dt_limit[0]), float(dt_limit[1]))
     return ssd_chunk_scan_ref(
         x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_states, dt_limit, seq_idx=seq_idx
     )

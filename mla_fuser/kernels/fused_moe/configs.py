@@ -1,0 +1,73 @@
+"""Tile configs of the fused MoE kernels: defaults for H100/H200-class GPUs, or tuned ones from a JSON file.
+
+Tuned tiles stay data, not code: ``benchmarks/bench_fused_moe.py --sweep`` writes them (its ``best_configs``
+JSON) and ``MLA_FUSER_MOE_CONFIGS`` names the file to use (the variable is read at each call, a file parsed once).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from ... import envs
+
+
+def default_config(path: str, num_tokens: int, topk: int, num_experts: int) -> dict:
+    """Starting points for H100/H200-class GPUs (bf16); ``benchmarks/bench_fused_moe.py --sweep``
+    measures better ones, loadable through ``MLA_FUSER_MOE_CONFIGS``.
+
+    small: memory bound, one tile of 16 rows (minimum tl.dot M) per expert; narrow N-tiles give enough
+    programs to keep all SMs streaming when only 6 experts are live (1 token: 6 x 44 GEMM1 programs);
+    4 stages keep bytes in flight, and the modest tile leaves room for several programs per SM.
+    aligned: BLOCK_M follows the average number of pairs per expert so an expert's weights are read by
+    as few tiles as possible while not padding too much.
+    """
+    if path == "small":
+        # sm_90 build of these: GEMM1 140 registers / 60 KB smem, GEMM2 108 / 36 KB, no spills.
+        g1 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+        g2 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+        # GEMV down+combine (T <= GEMV_DOWN_MAX_TOKENS): 8 rows x 512 per expert tile, 6 tiles in flight per
+        # step; H/8 = 256 programs for one token (two per SM).
+        gv = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=2)
+        return {"gemm1": g1, "gemm2": g2, "gemv2": gv}
+    avg = num_tokens * topk / max(1, num_experts)
+    if avg <= 16:
+        g = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    elif avg <= 32:
+        g = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4)
+    elif avg <= 96:
+        g = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    elif avg > 256:
+        # prefill-sized (compute-bound); the best of a sweep on an H200 at 8192 tokens (avg 768 pairs per
+        # expert, benchmarks/results/fused_moe_sweep_prefill.json): 2.07 ms vs 2.16 with the tile below
+        return {"gemm1": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=4),
+                "gemm2": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)}
+    else:
+        g = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    g1 = dict(g)
+    if g["BLOCK_M"] == 128:  # GEMM1 carries two accumulators; keep its register footprint like GEMM2's
+        g1["BLOCK_N"] = 64
+        g1["num_warps"] = 4
+    return {"gemm1": g1, "gemm2": dict(g)}
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tuned(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def get_moe_config(path: str, num_tokens: int, topk: int, num_experts: int) -> dict:
+    """Config for one call: tuned (JSON at ``$MLA_FUSER_MOE_CONFIGS``, the ``best_configs`` format written
+    by the benchmark: ``{path: {"<max_tokens>": {"gemm1": {...}, "gemm2": {...}}}}``, the smallest bucket
+    >= num_tokens wins, and the aligned path's gemm1/gemm2 must share ``BLOCK_M``) or the defaults."""
+    tuned_file = envs.moe_configs_path()
+    if tuned_file:
+        table = _load_tuned(tuned_file).get(path, {})
+        buckets = sorted(int(b) for b in table)
+        for b in buckets:
+            if b >= num_tokens:
+                return table[str(b)]
+        if buckets:
+            return table[str(buckets[-1])]
+    return default_config(path, num_tokens, topk, num_experts)
