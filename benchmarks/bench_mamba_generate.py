@@ -59,7 +59,7 @@ def graph_decode(model, ids, new_tokens, device):
     from transformers import DynamicCache
 
     from mla_fuser import DecodeGraph
-    from mla_fuser.cache import cache_keyword
+    from mla_fuser.compat import cache_keyword
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cache = DynamicCache(config=model.config)

@@ -22,7 +22,8 @@ def main():
     p.add_argument("--out", default="profile_host.txt")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args()
-    from mla_fuser.cache import PagedLatentCache, cache_keyword
+    from mla_fuser.cache import PagedLatentCache
+    from mla_fuser.compat import cache_keyword
     from mla_fuser.presets import build_preset
 
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"

@@ -10,10 +10,10 @@ registries.  Public API::
 """
 
 from . import attention_interfaces  # noqa: F401  (registration side effect)
-from .decode_graph import DecodeGraph
 from .fusion import fuse
 from .fusers.base import FusionReport, FusionRow
 from .loader import AutoModel, AutoModelForCausalLM
+from .runtime import DecodeGraph
 
 __version__ = "0.1.0"
 

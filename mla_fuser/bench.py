@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from .plans import model_state
 from .presets import load_for_cli
 
 
@@ -41,7 +42,8 @@ def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor"
     ``steps`` replays.  Models without paged layers (native) run eagerly as usual."""
     from transformers import DynamicCache, StaticCache
 
-    from .cache import PagedLatentCache, cache_keyword, paged_layer_indices
+    from .cache import PagedLatentCache, paged_layer_indices
+    from .compat import cache_keyword
 
     key = cache_keyword(model)
     device = ids.device
@@ -59,7 +61,7 @@ def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor"
     else:
         cache = DynamicCache(config=model.config)
     if cuda_graph:
-        from .decode_graph import DecodeGraph
+        from .runtime import DecodeGraph
 
         graph = DecodeGraph(model, cache)
 
@@ -185,8 +187,8 @@ def run_model_bench(args) -> dict:
                 return _decode_run(model, ids, args.steps, **graphed)
         prefill, step, tokens, peak = run(fused)
         if getattr(args, "generate", False):
-            row["fused_graphed_steps"] = getattr(fused, "_mla_fuser_graphed_steps", 0)
-            row["fused_graph_captures"] = getattr(fused, "_mla_fuser_graph_captures", 0)
+            state = model_state(fused)
+            row["fused_graphed_steps"], row["fused_graph_captures"] = state.graphed_steps, state.graph_captures
         row["fused"] = {"prefill_s": prefill, "ms_per_step": step * 1e3, "tok_per_s": batch / step,
                         "prefill_peak_over_weights_bytes": peak[0], "decode_peak_over_weights_bytes": peak[1]}
         if native is not None:

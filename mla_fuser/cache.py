@@ -32,7 +32,8 @@ import math
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
-from .compat import ATTENTION_NAME, attention_implementation
+from .kernels.dispatch import on_device
+from .plans import model_state, plan_of
 
 PAGED_ATTR = "_mla_fuser_paged"
 
@@ -184,6 +185,28 @@ class PagedLatentLayer(CacheLayerMixin):
     def prefetch(self) -> None:
         """See ``offload``."""
 
+    # ------------------------------------------------------------------ what a replayed step needs
+    # (the cache knows nothing of graphs: this is all ``runtime.decode_graph`` reads or changes)
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens cached per sequence, as the host knows them (a copy)."""
+        return list(self.host_lens)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The device memory a decode step of this layer reads or writes (pool, tables, starts, stand-in rows):
+        what a captured step holds the addresses of."""
+        pages = None if self.pool is None else self.pool.pages
+        held = (pages, self.tables, self.block_table, self.seq_lens, self.starts, *(self._nan_rows or ()))
+        return [t for t in held if t is not None]
+
+    def advance(self, tokens: int = 1) -> None:
+        """Record on the host that every sequence grew by ``tokens`` (a replayed step's kernels did it on the device)."""
+        self.host_lens = [n + tokens for n in self.host_lens]
+
+    def rewind(self, lengths: list[int]) -> None:
+        """Put the host lengths back to ``lengths`` (after a capture, which runs the Python of a step but no kernel)."""
+        self.host_lens = list(lengths)
+
     # ------------------------------------------------------------------ set-up
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -261,7 +284,6 @@ class PagedLatentLayer(CacheLayerMixin):
             if first_write:  # the cache's first forward failed: leave the whole cache as new (any batch may follow)
                 self.cache.forget_failed_first_forward()
             raise
-        from .attention_interfaces.paged import on_device
         from .kernels.paged_cache_ops import paged_append
 
         dtype = self.pool.pages.dtype
@@ -442,6 +464,18 @@ class PagedLatentCache(DynamicCache):
             if isinstance(layer, PagedLatentLayer) and layer.is_initialized:
                 layer._load_starts()
 
+    @property
+    def paged(self) -> list[PagedLatentLayer]:
+        """The paged latent layers (the others are Transformers' own)."""
+        return [layer for layer in self.layers if isinstance(layer, PagedLatentLayer)]
+
+    def next_positions(self, batch: int) -> torch.Tensor:
+        """``[batch, 1]`` long, on the device: each sequence's next token position (cached tokens less its left
+        padding), read from device memory, so a replayed step computes it without the host."""
+        layer = self.paged[0]
+        position = layer.seq_lens.view(batch, 1).long()
+        return position if layer.starts is None else position - layer.starts.view(batch, 1).long()
+
     @classmethod
     def static_for(cls, model, batch: int, max_seq_len: int, page_size: int = 64) -> "PagedLatentCache":
         """A static cache holding exactly ``batch`` sequences of up to ``max_seq_len`` tokens (whole pages)."""
@@ -481,68 +515,13 @@ class PagedLatentCache(DynamicCache):
 
 
 def paged_layer_indices(model) -> list[int]:
-    """Layer indices of the fused MLA modules of ``model`` (those get paged layers)."""
-    from .fusers.mla import PLAN_ATTR
-
-    cached = model.__dict__.get("_mla_fuser_paged_layers")
-    if cached is not None:
-        return list(cached)
-    found = set()
-    for module in model.modules():  # a few thousand modules: a few ms, so remembered once fusion is done
-        if getattr(module, PLAN_ATTR, None) is not None and isinstance(getattr(module, "layer_idx", None), int):
-            found.add(module.layer_idx)
-    if getattr(model, "_mla_fuser_done", False):
-        object.__setattr__(model, "_mla_fuser_paged_layers", tuple(sorted(found)))
-    return sorted(found)
-
-
-def cache_keyword(model) -> str:
-    """The forward's cache argument: ``cache`` (Transformers 5.2x), ``past_key_values`` or ``cache_params``."""
-    import inspect
-
-    params = inspect.signature(model.forward).parameters
-    for name in ("cache", "past_key_values", "cache_params"):
-        if name in params:
-            return name
-    raise TypeError(f"{type(model).__name__}.forward takes no cache argument")
-
-
-def install_auto_paged_cache(model) -> bool:
-    """Make ``model.generate`` use a ``PagedLatentCache`` when the caller asks for no particular cache.
-
-    Bound to this instance only (the class and Transformers stay untouched).  Any cache the caller passes,
-    any ``cache_implementation`` (argument or generation config) or ``use_cache=False`` wins.  On CUDA, an
-    unpadded single-beam call with enough new tokens gets a static cache sized for it and its decode steps
-    replayed from a CUDA graph (``decode_graph.GraphedForward``; ``MLA_FUSER_CUDA_GRAPHS=0`` turns that off).
-    """
-    import types
-
-    if getattr(model, "_mla_fuser_auto_cache", False) or not paged_layer_indices(model):
-        return False
-    generate = type(model).generate
-    keyword = cache_keyword(model)
-
-    def generate_with_paged_cache(self, *args, **kwargs):
-        config = kwargs.get("generation_config") or self.generation_config
-        wants_default = (
-            attention_implementation(self) == ATTENTION_NAME  # (switched away after fusion: the latent is expanded)
-            and kwargs.get("cache") is None and kwargs.get("past_key_values") is None
-            and kwargs.get("cache_implementation", getattr(config, "cache_implementation", None)) is None
-            and kwargs.get("use_cache", getattr(config, "use_cache", True)) is not False
-        )
-        if not wants_default:
-            return generate(self, *args, **kwargs)
-        from .decode_graph import generate_graphed, graphed_generate_plan
-
-        plan = graphed_generate_plan(self, args, kwargs)
-        if plan is None:
-            kwargs[keyword] = PagedLatentCache(self)
-            return generate(self, *args, **kwargs)
-        batch, max_seq_len, starts = plan  # decode steps replayed from a CUDA graph over a static cache this size
-        cache = PagedLatentCache.static_for(self, batch, max_seq_len)
-        cache.set_left_padding(starts)  # left-padded rows: the decode kernel skips their padding
-        return generate_graphed(self, generate, cache, keyword, args, kwargs)
-
-    model.generate = types.MethodType(generate_with_paged_cache, model)
-    object.__setattr__(model, "_mla_fuser_auto_cache", True)
-    return True
+    """Layer indices of the fused MLA modules of ``model`` (those get paged layers); remembered once fusion is
+    done (scanning a few thousand modules costs a few ms per ``generate``)."""
+    state = model_state(model)
+    if state.paged_layers is not None:
+        return list(state.paged_layers)
+    found = sorted({module.layer_idx for module in model.modules()
+                    if plan_of(module, "mla") is not None and isinstance(getattr(module, "layer_idx", None), int)})
+    if state.fused:
+        state.paged_layers = tuple(found)
+    return found

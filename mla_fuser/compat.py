@@ -59,3 +59,48 @@ def disabled_features() -> dict[str, str]:
         out["mamba"] = (f"transformers {transformers.__version__} is older than Mamba fusion needs (>={low}: its Cache "
                         f"lacks {missing}); Mamba mixers run unfused")
     return out
+
+
+# a forward's cache argument: ``cache`` (Transformers 5.2x), ``past_key_values`` (older, and most models' generate
+# keyword), ``cache_params`` (Mamba models before the rename)
+CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
+
+
+def cache_keyword(model) -> str:
+    """The name under which ``model.forward`` takes its cache (see ``CACHE_KWARGS``)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    for name in CACHE_KWARGS:
+        if name in params:
+            return name
+    raise TypeError(f"{type(model).__name__}.forward takes no cache argument")
+
+
+def caller_chose_cache(model, kwargs) -> bool:
+    """Whether a ``generate`` call settles its own cache: a cache passed under any of ``CACHE_KWARGS``, a
+    ``cache_implementation`` (argument or generation config), or ``use_cache=False``.  The one definition the
+    runtime layer uses before it chooses a cache of its own."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    if any(kwargs.get(name) is not None for name in CACHE_KWARGS):
+        return True
+    if kwargs.get("cache_implementation", getattr(config, "cache_implementation", None)) is not None:
+        return True
+    return kwargs.get("use_cache", getattr(config, "use_cache", True)) is False
+
+
+def experts_implementation(config) -> str | None:
+    """The experts implementation a config names (``@use_experts_implementation`` reads it at every call)."""
+    return getattr(config, "_experts_implementation", None)
+
+
+def default_apply_gate():
+    """Transformers' own gate application of decorated experts; a class that overrides it computes something else."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    return _default_apply_gate
+
+
+def tensor_parallel_hooked(module) -> bool:
+    """Whether a Transformers tensor-parallel style wraps ``module``'s forward (its backward all-reduces)."""
+    return bool(getattr(module, "_is_hooked", False))

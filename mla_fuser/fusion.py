@@ -10,8 +10,11 @@ from torch import nn
 from . import attention_interfaces  # noqa: F401  (registers vllm_mla)
 from . import compat, envs
 from .fusers.base import FusionReport, FusionRow
-from .fusers.mla import PLAN_ATTR, MLAFuser, apply_mla
+from .fusers import MambaFuser, MoEFuser, NormFuser
+from .fusers.mla import MLAFuser, apply_mla
 from .graph import TRACE_LOCK, is_linear, rmsnorm_width
+from .plans import model_state, plan_of
+from .runtime import extend_generate
 
 ATTENTION_NAME = attention_interfaces.ATTENTION_NAME
 SUPPORTED_TRANSFORMERS = compat.SUPPORTED
@@ -39,21 +42,9 @@ def _mla_candidate(module: nn.Module) -> bool:
     return any(rmsnorm_width(c) for c in children if not is_linear(c, adapters=True))
 
 
-def _block_fusers() -> list:
-    """The sibling fuser families (MoE, Mamba): each has ``name``, ``is_candidate(module)``,
-    ``explain(module, example_inputs) -> (match | None, reason)`` and ``apply(module, match, qualname) -> FusionRow``."""
-    import importlib
-
-    found = []
-    for module_name, class_name in (("moe", "MoEFuser"), ("mamba", "MambaFuser"), ("norm", "NormFuser")):
-        try:
-            module = importlib.import_module(f"{__package__}.fusers.{module_name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"{__package__}.fusers.{module_name}":
-                continue  # that family is not built yet
-            raise
-        found.append(getattr(module, class_name))
-    return found
+# The sibling fuser families: each has ``name``, ``is_candidate(module)``, ``explain(module, example_inputs) ->
+# (match | None, reason)`` and ``apply(module, match, qualname) -> FusionRow``.
+BLOCK_FUSERS = (MoEFuser, MambaFuser, NormFuser)
 
 
 class _Capture(dict):
@@ -111,7 +102,7 @@ def _switch_attention(model: nn.Module, report: FusionReport) -> bool:
     if config is None:
         report.notes.append("model has no config: attention implementation left unchanged")
         return False
-    if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
+    if compat.attention_implementation(model) == ATTENTION_NAME:
         return True
     try:
         model.set_attn_implementation(ATTENTION_NAME)
@@ -133,7 +124,7 @@ def fuse(model: nn.Module) -> FusionReport:
 def _fuse(model: nn.Module) -> FusionReport:
     global _warned_disabled
     existing = getattr(model, "fusion_report", None)
-    if isinstance(existing, FusionReport) and getattr(model, "_mla_fuser_done", False):
+    if isinstance(existing, FusionReport) and model_state(model).fused:
         return existing
     envs.check_all()  # a bad flag (MLA_FUSER_BACKEND=cuda, VLLM_MLA_DISABLE=maybe) fails here, not at a forward
     report = FusionReport()
@@ -154,7 +145,7 @@ def _fuse(model: nn.Module) -> FusionReport:
         if not _warned_disabled:
             warnings.warn(f"{flag}: mla-fuser runs padded full attention, no MLA fusion", stacklevel=2)
             _warned_disabled = True
-    block_fusers = _block_fusers()
+    block_fusers = BLOCK_FUSERS
     block_names = {f: [n for n, m in model.named_modules() if n and f.is_candidate(m)] for f in block_fusers}
     disabled_by_version = compat.disabled_features()
     report.notes.extend(why for f, names in block_names.items() if names
@@ -169,7 +160,7 @@ def _fuse(model: nn.Module) -> FusionReport:
                             "are traced from their signatures")
     for name in names:
         module = model.get_submodule(name)
-        if getattr(module, PLAN_ATTR, None) is not None:
+        if plan_of(module, "mla") is not None:
             report.rows.append(FusionRow(name, type(module).__name__, "mla", "fused", "already fused"))
             continue
         example = captured.get(name)
@@ -204,23 +195,9 @@ def _fuse(model: nn.Module) -> FusionReport:
         report.notes.append("no MLA module fused: every attention call runs padded full attention")
     # generate() of a PEFT model calls its base model's: that is the instance whose generate we extend
     host = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    if report.fused("mla") and hasattr(host, "generate"):
-        from .cache import install_auto_paged_cache
-
-        if install_auto_paged_cache(host):
-            report.notes.append("generate() uses a paged latent cache unless another cache is requested")
-    if report.fused("mamba") and not report.fused("mla") and hasattr(host, "generate"):
-        from .decode_graph import install_graphed_generate
-
-        if install_graphed_generate(host):
-            report.notes.append("generate() replays decode steps from a CUDA graph on CUDA (states only cache)")
-    if report.fused("moe"):
-        from .fusers.moe import install_generate_keeping_fused_experts
-
-        if install_generate_keeping_fused_experts(host):
-            report.notes.append("generate() keeps the fused experts for its decode steps (no batched_mm swap)")
+    model_state(model).fused = model_state(host).fused = True
+    report.notes.extend(extend_generate(host))
     _attach(model, report)
-    object.__setattr__(model, "_mla_fuser_done", True)
     return report
 
 

@@ -32,7 +32,7 @@ import libcst as cst
 import torch
 from torch import nn
 
-from .compat import ATTENTION_NAME, attention_implementation
+from .compat import ATTENTION_NAME, attention_implementation, tensor_parallel_hooked
 from .graph import is_plain_linear
 
 
@@ -114,7 +114,7 @@ class StackedLinear:
             w = lin.weight
             if w.device.type == "meta" or w.device != x.device or _is_dtensor(w) or _is_dtensor(lin.bias):
                 return True
-            if getattr(lin, "_is_hooked", False) and torch.is_grad_enabled():
+            if tensor_parallel_hooked(lin) and torch.is_grad_enabled():
                 return True  # a Transformers tensor-parallel style wraps its forward (backward all-reduces)
         return False
 
@@ -397,7 +397,7 @@ def build_rewritten_source(module: nn.Module, match) -> tuple[str, str, type]:
         first = min(_top_statement_index(body, qc), _top_statement_index(body, kc))
         last = max(_top_statement_index(body, qc), _top_statement_index(body, kc))
         for s in body[first:last + 1]:
-            if x_q.value in _assigned_names(s) and not (s is body[last] and _assigned_before_use_ok(s, x_q.value)):
+            if x_q.value in _assigned_names(s):
                 raise RewriteError(f"{x_q.value} is reassigned between the two down-projections")
         q_name, kv_name = _fresh("_mla_q_latent", taken), _fresh("_mla_kv_latent", taken)
         stacked = cst.parse_statement(f"{q_name}, {kv_name} = self.{STACKED_ATTR}({x_q.value})\n")
@@ -412,10 +412,6 @@ def build_rewritten_source(module: nn.Module, match) -> tuple[str, str, type]:
     new_func = new_func.with_changes(body=new_func.body.with_changes(body=new_body))
     new_source = tree.with_changes(body=[new_func if s is func else s for s in tree.body]).code
     return source, new_source, owner
-
-
-def _assigned_before_use_ok(stmt, name) -> bool:
-    return False
 
 
 def _expansion_targets(stmt: cst.CSTNode, call: cst.Call) -> list[str]:
@@ -467,7 +463,7 @@ def _check_later_uses(stmts: list[cst.CSTNode], names: list[str]) -> None:
 _COMPILED = 0
 
 
-def compile_forward(module: nn.Module, new_source: str, owner: type):
+def compile_forward(new_source: str, owner: type):
     """Compile the rewritten function with the defining module's globals; return the plain function."""
     global _COMPILED
     globals_ = sys.modules[owner.__module__].__dict__
@@ -501,7 +497,7 @@ def _routed_by_attention_implementation(fused, unfused):
 def rewrite_mla_forward(module: nn.Module, match) -> str:
     """Rewrite ``module``'s forward in place (instance only); returns the unified diff of the source."""
     original, new_source, owner = build_rewritten_source(module, match)
-    fn = compile_forward(module, new_source, owner)
+    fn = compile_forward(new_source, owner)
     if match.q_a_proj is not None:
         names = (match.q_a_proj, match.kv_a_proj)
         stacked = StackedLinear(*(module.get_submodule(n) for n in names), owner=module, names=names)

@@ -31,7 +31,7 @@ if importlib.util.find_spec("mla_fuser") is None:  # plain `pytest` from the rep
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mla_fuser  # noqa: E402
-from mla_fuser.fusers.mla import PLAN_ATTR  # noqa: E402
+from mla_fuser.plans import plan_of  # noqa: E402
 
 import tiny_configs  # noqa: E402
 
@@ -144,7 +144,7 @@ def _decode_base(model, ids, steps=NEW_TOKENS):
 
 
 def _cache_kw(model) -> str:
-    from mla_fuser.cache import cache_keyword
+    from mla_fuser.compat import cache_keyword
 
     return cache_keyword(model)
 
@@ -179,12 +179,12 @@ def _check_report(arch, fused, report):
     for name, row in rows.items():
         if name in known:
             assert row.status == "fallback" and known[name] in row.reason, str(report)
-            assert getattr(fused.get_submodule(name), PLAN_ATTR, None) is None
+            assert plan_of(fused.get_submodule(name), "mla") is None
         else:
             assert row.status == "fused", f"{name}: {row.reason}\n{report}"
-            assert getattr(fused.get_submodule(name), PLAN_ATTR, None) is not None
+            assert plan_of(fused.get_submodule(name), "mla") is not None
     for name in unreported:
-        assert getattr(fused.get_submodule(name), PLAN_ATTR, None) is None
+        assert plan_of(fused.get_submodule(name), "mla") is None
     # tracing leaves nothing behind (fx stores tensors made inside a forward as ``_tensor_constant<i>``)
     assert not [n for n, m in fused.named_modules() if any(k.startswith("_tensor_constant") for k in vars(m))]
 
@@ -251,7 +251,7 @@ def test_left_padded_batch_and_static_cache(arch, overrides):
     _check_report(arch, fused, report)
     if overrides.get("q_lora_rank", 1) is None:
         assert all(
-            getattr(fused.get_submodule(r.qualname), PLAN_ATTR).match.q_lora_rank is None for r in report.fused("mla")
+            plan_of(fused.get_submodule(r.qualname), "mla").match.q_lora_rank is None for r in report.fused("mla")
         )
 
     ids, mask = _left_padded_batch()
@@ -308,7 +308,7 @@ def test_fallback_path_is_correct_on_every_architecture(arch, monkeypatch):
     assert fused.config._attn_implementation == "vllm_mla"
     rows = [r for r in report.rows if r.fuser == "mla"]
     assert rows and all(r.status == "fallback" and r.reason == "VLLM_MLA_DISABLE=1" for r in rows), str(report)
-    assert not any(getattr(m, PLAN_ATTR, None) is not None for m in fused.modules())
+    assert not any(plan_of(m, "mla") is not None for m in fused.modules())
     ids = _ids()
     ref, got = _out(native, ids), _out(fused, ids)
     assert _rel(ref, got) <= TOL, f"{arch}: relative error {_rel(ref, got):.2e}"

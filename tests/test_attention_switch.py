@@ -58,7 +58,8 @@ def test_output_attentions_returns_the_weights_native_eager_returns(q_lora_rank)
 
 
 def test_output_attentions_in_a_decode_step_over_the_paged_cache():
-    from mla_fuser.cache import PagedLatentCache, cache_keyword
+    from mla_fuser.cache import PagedLatentCache
+    from mla_fuser.compat import cache_keyword
 
     native, fused = _pair()
     kw = cache_keyword(fused)

@@ -12,7 +12,8 @@ from mla_fuser.cache import CachePoolExhausted, PagedLatentCache
 from conftest import needs_mamba_fusion, tiny_deepseek
 from tiny_mamba_configs import make_model
 
-from mla_fuser.cache import cache_keyword
+from mla_fuser.compat import cache_keyword
+from mla_fuser.plans import model_state
 
 KW = cache_keyword(tiny_deepseek())  # Transformers renamed ``past_key_values`` to ``cache`` in 5.2x
 
@@ -113,7 +114,7 @@ def test_capture_needs_cuda():
 def test_generate_replays_decode_steps_through_the_graphed_forward():
     """What a fused model's generate() does on CUDA, run eagerly: the prefill goes to the model's forward, every
     decode step through the DecodeGraph, and the tokens equal native generate's; the forward is restored."""
-    from mla_fuser.decode_graph import GraphedForward
+    from mla_fuser.runtime.generate import GraphedForward
 
     native, fused = _fused_pair()
     ids = _prompt(length=6)
@@ -130,22 +131,23 @@ def test_generate_replays_decode_steps_through_the_graphed_forward():
 def test_left_padded_generate_through_the_graphed_forward_equals_native():
     """A left-padded batch: the cache carries the padding (set_left_padding), the graphed decode steps get no
     mask and the decode kernel skips the padding; positions come from generate's own position ids."""
-    from mla_fuser.decode_graph import _left_padding, generate_graphed
+    from mla_fuser.runtime.generate import _left_padding, generate_graphed
     from conftest import left_padded_prompts
 
     native, fused = _fused_pair()
     ids, mask = left_padded_prompts([3, 8, 5], seed=9)
     cache = PagedLatentCache.static_for(fused, 3, 8 + 13, page_size=4)
     cache.set_left_padding(_left_padding(mask))
-    out = generate_graphed(fused, type(fused).generate, cache, KW, (ids,),
-                           dict(attention_mask=mask, max_new_tokens=12, do_sample=False))
-    assert fused._mla_fuser_graphed_steps == 11 and fused._mla_fuser_graph_captures == 0  # CPU: eager steps
+    out = generate_graphed(fused, fused.generate, cache, (ids,),
+                           dict(attention_mask=mask, max_new_tokens=12, do_sample=False, **{KW: cache}))
+    state = model_state(fused)
+    assert state.graphed_steps == 11 and state.graph_captures == 0  # CPU: eager steps
     assert torch.equal(out, native.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
     assert cache.layers[1].starts.tolist() == [5, 0, 3]
 
 
 def test_generate_shape_for_single_beam_unpadded_or_left_padded_calls():
-    from mla_fuser.decode_graph import generate_shape, graphed_generate_plan
+    from mla_fuser.runtime.generate import generate_shape, graphed_generate_plan
 
     _, fused = _fused_pair()
     ids = _prompt(length=6)
@@ -168,7 +170,7 @@ def test_generate_shape_for_single_beam_unpadded_or_left_padded_calls():
 
 @needs_mamba_fusion
 def test_mamba_generate_through_the_graphed_forward_equals_native():
-    from mla_fuser.decode_graph import GraphedForward, install_graphed_generate
+    from mla_fuser.runtime import GraphedForward, extend_generate
 
     native = make_model("mamba2")
     fused = make_model("mamba2")
@@ -180,8 +182,8 @@ def test_mamba_generate_through_the_graphed_forward_equals_native():
     assert graphed.steps == 9
     assert torch.equal(out, native.generate(ids, max_new_tokens=10, do_sample=False))
     # the fused Mamba model's generate is the graphed one (graphs only on CUDA; here it runs as before)
-    assert getattr(fused, "_mla_fuser_auto_cache", False)
-    assert not install_graphed_generate(fused)  # installed once
+    assert model_state(fused).generate_extended
+    assert not extend_generate(fused)  # extended once
     assert torch.equal(fused.generate(ids, max_new_tokens=10, do_sample=False), out)
 
 
@@ -197,7 +199,7 @@ def test_graphed_output_uses_the_models_own_cache_field():
     from transformers.cache_utils import Cache
     from transformers.utils import ModelOutput
 
-    from mla_fuser.decode_graph import GraphedForward
+    from mla_fuser.runtime.generate import GraphedForward
 
     @dataclass
     class OlderOutput(ModelOutput):  # the 5.23 layout, under a name no release maps onto another

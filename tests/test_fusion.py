@@ -11,7 +11,7 @@ import torch
 import mla_fuser
 from mla_fuser.fusers import MLAFuser
 from mla_fuser.fusers.base import Fuser
-from mla_fuser.fusers.mla import PLAN_ATTR
+from mla_fuser.plans import plan_of, set_plan
 from mla_fuser.rewrite import STACKED_ATTR, RewriteError, rewrite_mla_forward
 
 from conftest import tiny_deepseek
@@ -44,7 +44,7 @@ def test_toy_fused_instance_only_and_equal():
     ref = b(x, rope)  # unfused: expanded K/V through vllm_mla's padded path
     match = MLAFuser.match(a)
     diff = rewrite_mla_forward(a, match)
-    setattr(a, PLAN_ATTR, mla_fuser.fusers.mla.MLAPlan(match))
+    set_plan(a, "mla", mla_fuser.fusers.mla.MLAPlan(match))
     assert "self._mla_fuser_down(hidden_states)" in diff and "(lat, rot)" in diff
     assert "forward" in a.__dict__ and "forward" not in b.__dict__
     assert Wobble.forward is type(b).forward
@@ -248,7 +248,7 @@ def test_vllm_mla_disable(monkeypatch):
     mla_rows = [r for r in report.rows if r.fuser == "mla"]
     assert mla_rows and all(r.status == "fallback" and r.reason == "VLLM_MLA_DISABLE=1" for r in mla_rows)
     assert any("VLLM_MLA_DISABLE" in n for n in report.notes)
-    assert all(getattr(m, PLAN_ATTR, None) is None for m in model.modules())
+    assert all(plan_of(m, "mla") is None for m in model.modules())
     ids = _ids()
     assert _close(_logits(native, ids), _logits(model, ids))
     gen_a = native.generate(ids, max_new_tokens=8, do_sample=False)

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 
 import mla_fuser  # noqa: E402
 from mla_fuser.cache import PagedLatentCache  # noqa: E402
+from mla_fuser.plans import model_state  # noqa: E402
 from mla_fuser.presets import preset_config  # noqa: E402
 
 from conftest import left_padded_prompts, needs_mamba_fusion  # noqa: E402
@@ -49,7 +50,7 @@ def models():
 
 
 def _cache_kw(model, cache):
-    from mla_fuser.cache import cache_keyword
+    from mla_fuser.compat import cache_keyword
 
     return {cache_keyword(model): cache}
 
@@ -104,10 +105,10 @@ def test_generation_agreement_bf16(models, mode):
         key = "cache" if "cache" in __import__("inspect").signature(type(native).forward).parameters \
             else "past_key_values"
         kw[key] = PagedLatentCache(fused, static=True, max_seq_len=128, max_cache_tokens=1024)
-    object.__setattr__(fused, "_mla_fuser_graphed_steps", 0)
+    model_state(fused).graphed_steps = 0
     out = fused.generate(ids, **kw)
     if mode in ("greedy", "left_padded"):  # one beam, no cache given: decode steps replayed from a CUDA graph
-        assert fused._mla_fuser_graphed_steps == kw["max_new_tokens"] - 1
+        assert model_state(fused).graphed_steps == kw["max_new_tokens"] - 1
     new_ref, new_out = ref[:, ids.shape[1]:], out[:, ids.shape[1]:]
     # position of the first disagreement per row (a bf16 tie flips everything after it)
     first = [(r != o).nonzero()[0].item() if (r != o).any() else r.numel() for r, o in zip(new_ref, new_out)]
@@ -235,6 +236,6 @@ def test_mamba2_generate_replays_decode_steps():
     mla_fuser.fuse(model)
     ids = torch.randint(3, 1024, (2, 64), generator=torch.Generator().manual_seed(3)).cuda()
     out = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    assert model._mla_fuser_graphed_steps == 15
+    assert model_state(model).graphed_steps == 15
     ref = native.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     RESULTS["mamba2_generate_graphed_token_agreement"] = float((out == ref).float().mean())

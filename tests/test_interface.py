@@ -5,7 +5,8 @@ import torch
 
 import mla_fuser  # noqa: F401
 from mla_fuser.attention_interfaces import padded_attention, vllm_mla_attention
-from mla_fuser.fusers.mla import PLAN_ATTR, MLAMatch, MLAPlan
+from mla_fuser.fusers.mla import MLAMatch, MLAPlan
+from mla_fuser.plans import clear_plan, plan_of, set_plan
 from mla_fuser.kernels.mla_attention import mla_attention_ref
 
 
@@ -16,7 +17,7 @@ class FakeAttn(torch.nn.Module):
         self.is_causal = True
         self.dims = (heads, nope, rope, v, rank)
         match = MLAMatch(None, "a", "b", "c", "d", "e", "kv_up", "o", heads, nope, rope, v, rank, 4)
-        setattr(self, PLAN_ATTR, MLAPlan(match))
+        set_plan(self, "mla", MLAPlan(match))
 
     def expand(self, kv_c, k_pe):
         heads, nope, rope, v, rank = self.dims
@@ -69,7 +70,7 @@ def test_fully_masked_rows_are_finite():
     mask = torch.zeros(2, 1, 3, 5, dtype=torch.bool)
     out, _ = vllm_mla_attention(mod, q, kv_c, k_pe, mask, scaling=0.3)
     assert torch.isfinite(out).all()
-    del mod.__dict__[PLAN_ATTR]
+    clear_plan(mod, "mla")
     key, value = FakeAttn().expand(kv_c, k_pe)
     out2, _ = vllm_mla_attention(mod, q, key, value, mask, scaling=0.3)
     assert torch.isfinite(out2).all()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import mla_fuser
-from mla_fuser.fusers import mamba as mamba_mod
+from mla_fuser.fusers.mamba import forward as mamba_forward
 from mla_fuser.fusers.base import Fuser
 from conftest import needs_mamba_fusion
 from mla_fuser.fusers.mamba import MambaFuser
@@ -56,8 +56,8 @@ def _counting_kernels(monkeypatch):
             return fn(*args, **kwargs)
         return call
 
-    ops = mamba_mod.KERNELS
-    monkeypatch.setattr(mamba_mod, "KERNELS", mamba_mod._Ops(
+    ops = mamba_forward.KERNELS
+    monkeypatch.setattr(mamba_forward, "KERNELS", mamba_forward._Ops(
         **{f.name: counted(f.name, getattr(ops, f.name)) for f in dataclasses.fields(ops)}))
     return counts
 

@@ -13,7 +13,8 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_imp
 
 import mla_fuser
 from mla_fuser.fusers.base import Fuser
-from mla_fuser.fusers.moe import IMPL_NAME, PLAN_ATTR, MoEFuser, StackedExperts, route
+from mla_fuser.fusers.moe import IMPL_NAME, MoEFuser, StackedExperts, route
+from mla_fuser.plans import plan_of
 
 from conftest import tiny_deepseek
 
@@ -378,7 +379,7 @@ def test_module_list_block_fused_in_place():
     assert _rel(ref, out) <= 1e-5
     assert "forward" in block.__dict__ and Stack.forward is type(block).forward
     assert set(block.state_dict()) == keys
-    stacked: StackedExperts = block.__dict__[PLAN_ATTR].stacked
+    stacked: StackedExperts = plan_of(block, "moe").stacked
     assert block.crew[2].beta.weight.data_ptr() == stacked.gate_up[2, WIDE:].data_ptr()  # views, no second copy
     assert block.crew[3].omega.weight.data_ptr() == stacked.down[3].data_ptr()
     # a dtype round trip gives new storage: re-stacked at the next call, still equal to an unfused twin
@@ -388,7 +389,7 @@ def test_module_list_block_fused_in_place():
     twin.to(torch.bfloat16).to(torch.float32)
     with torch.no_grad():
         assert _rel(twin(x), block(x)) <= 1e-5
-    assert block.crew[0].alpha.weight.data_ptr() == block.__dict__[PLAN_ATTR].stacked.gate_up.data_ptr()
+    assert block.crew[0].alpha.weight.data_ptr() == plan_of(block, "moe").stacked.gate_up.data_ptr()
     # training / gradients run the original forward (the kernel has no backward)
     block.train()
     block(x).sum().backward()

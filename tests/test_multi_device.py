@@ -76,7 +76,7 @@ def _offload_map(layers=2, disk=(1,)):
 
 
 def _cache_kw(model):
-    from mla_fuser.cache import cache_keyword
+    from mla_fuser.compat import cache_keyword
 
     return cache_keyword(model)
 

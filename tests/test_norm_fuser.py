@@ -14,7 +14,7 @@ from conftest import tiny_deepseek  # noqa: E402
 
 import mla_fuser  # noqa: E402
 from mla_fuser.fusers import Fuser, NormFuser  # noqa: E402
-from mla_fuser.fusers.norm import PLAN_ATTR  # noqa: E402
+from mla_fuser.plans import plan_of  # noqa: E402
 
 
 class Smoother(nn.Module):
@@ -239,7 +239,7 @@ def test_mismatch_restores_the_original_forward(monkeypatch):
     wrong = type(match)(**{**match.__dict__, "eps": 1e-6})
     row = NormFuser.apply(module, wrong, "norm")
     assert row.status == "fallback" and "differs from the original" in row.reason
-    assert "forward" not in module.__dict__ and PLAN_ATTR not in module.__dict__
+    assert "forward" not in module.__dict__ and plan_of(module, "norm") is None
 
 
 def test_fused_deepseek_matches_native_and_reports_norms():
@@ -251,7 +251,7 @@ def test_fused_deepseek_matches_native_and_reports_norms():
     assert len(norms) == 2 * 4 + 1 and all(r.status == "fused" for r in norms), str(report)
     assert len(report.fused("mla")) == 2
     kv_norm = fused.model.layers[0].self_attn.kv_a_layernorm
-    assert "forward" in kv_norm.__dict__ and getattr(kv_norm, PLAN_ATTR).match.eps == 1e-6
+    assert "forward" in kv_norm.__dict__ and plan_of(kv_norm, "norm").match.eps == 1e-6
     ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want, got = native(ids).logits, fused(ids).logits

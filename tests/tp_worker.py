@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mla_fuser  # noqa: E402
 import mla_fuser.attention_interfaces.vllm_mla as vllm_mla  # noqa: E402
-from mla_fuser.fusers.mla import PLAN_ATTR  # noqa: E402
+from mla_fuser.plans import plan_of  # noqa: E402
 
 # Attention sharded by head: q_b_proj / q_proj and kv_b_proj column-wise, o_proj row-wise (all-reduce).  This is
 # DeepSeek-V2's own plan for attention; DeepSeek-V3's plan keeps attention replicated, so it is passed as an override.
@@ -64,7 +64,7 @@ def unpadded_inputs():
 
 
 def _cache_kw(model):
-    from mla_fuser.cache import cache_keyword
+    from mla_fuser.compat import cache_keyword
 
     return cache_keyword(model)
 
@@ -115,7 +115,7 @@ def run_case(path, plan, warm):
     kv_b = attn.kv_b_proj.weight
     result["kv_b_dtensor"] = type(kv_b).__name__ == "DTensor"
     result["kv_b_local_rows"] = int(vllm_mla.local_tensor(kv_b).shape[0])
-    result["fused_attention"] = [n for n, m in fused.named_modules() if getattr(m, PLAN_ATTR, None) is not None]
+    result["fused_attention"] = [n for n, m in fused.named_modules() if plan_of(m, "mla") is not None]
     experts = next(m for m in fused.modules() if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor))
     result["experts"] = (type(experts.gate_up_proj).__name__, tuple(experts.gate_up_proj.shape),
                          tuple(vllm_mla.local_tensor(experts.gate_up_proj).shape))

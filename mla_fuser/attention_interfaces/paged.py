@@ -10,17 +10,10 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from ..kernels.dispatch import on_device
 from ..kernels.mla_decode import mla_decode
-
-
-def on_device(t: torch.Tensor):
-    """Make ``t``'s CUDA device current for a kernel launch (Triton launches on the *current* device, and a model
-    split over GPUs with ``device_map`` runs layers on other devices than the current one); no-op off CUDA."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts=None):

@@ -1,7 +1,7 @@
 """The ``vllm_mla`` attention function.
 
 Once a model uses ``vllm_mla`` every attention call of that model reaches this function:
-* a **fused** MLA instance (``module._mla_fuser_plan`` set by the fuser) passes the compressed latent:
+* a **fused** MLA instance (``plans.plan_of(module, "mla")`` set by the fuser) passes the compressed latent:
   ``key`` = ``kv_c_normed`` [B, 1, T, rank], ``value`` = ``k_pe`` [B, 1, T, rope]; we run absorbed MLA;
 * anything else (unfused MLA instances, non-MLA layers of hybrid models, ``VLLM_MLA_DISABLE=1``) passes
   expanded K/V; we run padded full attention (V padded to the q/k head dim, SDPA, output sliced).
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import PAGED_ATTR
-from ..fusers.mla import PLAN_ATTR
+from ..plans import plan_of
 from ..graph import is_plain_linear
 from .paged import gathered_latent, paged_decode
 from ..kernels.mla_attention import masked_softmax, mla_attention
@@ -198,7 +198,7 @@ def _prefer_expanded(q_len: int, kv_len: int) -> bool:
 
 def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indices=None, s_aux=None,
                         sliding_window=None, is_causal=None, dropout=0.0, softcap=None):
-    plan = getattr(module, PLAN_ATTR)
+    plan = plan_of(module, "mla")
     m = plan.match
     batch, heads, q_len, qk_dim = query.shape
     if is_causal is None:
@@ -311,7 +311,7 @@ def padded_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 def _expanded_for_weights(module, query, kv_c, k_pe):
     """Per-head K/V of a fused module's call (its latent, or the paged cache's read back)."""
-    plan = getattr(module, PLAN_ATTR)
+    plan = plan_of(module, "mla")
     view = getattr(kv_c, PAGED_ATTR, None)
     if view is not None:
         kv_c, k_pe = gathered_latent(view, plan.match.kv_lora_rank)
@@ -339,7 +339,7 @@ def vllm_mla_attention(module, query, key, value, attention_mask, dropout=0.0, s
             raise NotImplementedError(f"vllm_mla: the '{name}' attention argument is not supported")
     extra = {k: kwargs.get(k) for k in _HONOURED}
     softcap = kwargs.get("softcap")
-    fused = getattr(module, PLAN_ATTR, None) is not None
+    fused = plan_of(module, "mla") is not None
     if not fused and getattr(key, PAGED_ATTR, None) is not None:
         raise RuntimeError(f"vllm_mla: {type(module).__name__} is not fused but reads a paged latent cache")
     if kwargs.get("output_attentions"):

@@ -1,15 +1,35 @@
 """Multi-head latent attention: recognised by structure, fused by rewriting the instance's forward.
 
 Roles come from the traced graph, never from names:
+* where attention happens (``_find_attention``): the attention-interface call if there is one (the only kind a
+  rewrite can redirect), else ``F.scaled_dot_product_attention`` called directly, else a softmax between two
+  matmuls computed inline (modeling files shipped with checkpoints for ``trust_remote_code``).  Each gives the
+  query, key and value operands and the node the attention output flows from;
 * every ``rmsnorm(linear(hidden_states))`` chain with a single nearest linear downstream of its norm (the
-  up-projection); the KV chain is the one whose up-projection feeds the attention call's key/value and not its
-  query (its down-projection is as wide as the norm or wider: ``kv_lora_rank + rope``, equal without RoPE), the
-  q-LoRA chain the one whose up-projection feeds the query (equal widths).  A norm on the rotary part alone
-  (no up-projection after it) is no chain;
+  up-projection, searched without crossing the attention); the KV chain is the one whose up-projection feeds
+  key/value and not the query (its down-projection is as wide as the norm or wider: ``kv_lora_rank + rope``,
+  equal without RoPE), the q-LoRA chain the one whose up-projection feeds the query (equal widths).  A norm on
+  the rotary part alone (no up-projection after it) is no chain;
 * ``q_b_proj`` / ``kv_b_proj`` are those up-projections;
 * ``o_proj`` is the linear feeding the output; ``q_proj`` (no q-LoRA) is the linear on the hidden states
-  whose output reaches the attention call's query;
-* head count and head dims are read off the query and value shapes at the attention call.
+  whose output reaches the query;
+* head count and head dims are read off the query and value shapes at the attention (``[B, H, S, D]``); the
+  rotary width is the KV down-projection's width beyond the latent.
+
+Telling query from key/value with attention computed inline: the softmax normalises the scores over their last
+axis, which indexes the keys.  So in the score matmul ``scores = A @ B`` (the one matmul upstream of the softmax)
+``A``'s rows are the queries and ``B``'s columns the keys: ``A`` is the query, ``B`` the key (transposed); in the
+output matmul ``out = P @ V`` (the one downstream) the probabilities ``P`` (reached from the softmax) are
+contracted over that key axis against the rows of ``V``, the value (not reached from the softmax).  A projection
+"feeds the query" when data flows from it to ``A``, "feeds key/value" when it flows to ``B`` or ``V``: the KV
+up-projection's output reaches ``B`` and ``V`` but never ``A`` (the scores it helps make are downstream of
+``A``), the q-LoRA up-projection's reaches ``A`` only.  For ``scaled_dot_product_attention`` and the interface,
+the operands are its ``query``, ``key`` and ``value`` arguments and the same rule applies.
+
+Only a module whose attention goes through the interface is fused (head sizes are then always known: the match
+declines otherwise).  A module that matches with attention computed inline is reported (``apply_mla``) and left
+untouched: there is no call to point at ``vllm_mla``.  Its head sizes are ``None`` where the graph does not show
+them.
 
 ``apply`` rewrites the forward (``rewrite.py``): one stacked GEMM for both down-projections, and the K/V
 expansion call replaced by its arguments, so the latent reaches the ``vllm_mla`` attention interface, which
@@ -29,12 +49,22 @@ import torch.fx as fx
 from torch import nn
 
 from .. import graph as g
+from ..fx_ops import arg, op_name
+from ..plans import set_plan
 from .base import Fuser, FusionRow, NoMatch, common_input_width
+
+INTERFACE = "interface"
+SDPA = "scaled_dot_product_attention"
+INLINE = "matmul/softmax"
 
 
 @dataclass(frozen=True)
 class MLAMatch:
-    """Roles (submodule names, None when absent) and the sizes read from the graph."""
+    """Roles (submodule names, None when absent) and the sizes read from the graph.
+
+    ``attention`` says how the module computes attention (``INTERFACE``, ``SDPA`` or ``INLINE``); only an
+    interface match is ``rewritable``, and only then are the head sizes sure to be known (else None where the
+    graph does not show them)."""
 
     q_proj: str | None
     q_a_proj: str | None
@@ -44,16 +74,21 @@ class MLAMatch:
     kv_a_layernorm: str
     kv_b_proj: str
     o_proj: str
-    num_heads: int
-    qk_nope_head_dim: int
+    num_heads: int | None
+    qk_nope_head_dim: int | None
     qk_rope_head_dim: int
-    v_head_dim: int
+    v_head_dim: int | None
     kv_lora_rank: int
     q_lora_rank: int | None
+    attention: str = INTERFACE
 
     @property
     def has_q_lora(self) -> bool:
         return self.q_a_proj is not None
+
+    @property
+    def rewritable(self) -> bool:
+        return self.attention == INTERFACE
 
 
 @dataclass
@@ -62,12 +97,27 @@ class MLAPlan:
 
     match: MLAMatch
 
+    def __post_init__(self):
+        # run-time code reads the head sizes of fused modules only, and those attend through the interface
+        m = self.match
+        assert m.rewritable and None not in (m.num_heads, m.qk_nope_head_dim, m.v_head_dim), m
+
     def kv_b(self, module: nn.Module) -> nn.Module:
         """The KV up-projection as it is *now*: a plain linear, or whatever replaced or wrapped it since (PEFT)."""
         return module.get_submodule(self.match.kv_b_proj)
 
 
-PLAN_ATTR = "_mla_fuser_plan"
+@dataclass(frozen=True)
+class _Attention:
+    """Where the graph computes attention: its operands, the node its output flows from, how (``INTERFACE``...),
+    and the nodes a search for up-projections must not cross (the inline matmuls; calls stop searches anyway)."""
+
+    query: object
+    key: object
+    value: object
+    output: fx.Node
+    kind: str
+    stops: frozenset = frozenset()
 
 
 def _single(nodes, what: str):
@@ -94,6 +144,53 @@ class MLAFuser(Fuser):
         return _match_traced(traced)
 
 
+def _find_attention(traced: g.TracedModule) -> _Attention:
+    """The one attention of the forward: the interface call, a direct ``scaled_dot_product_attention`` call, or
+    (neither being there) a softmax between two matmuls (see the module docstring)."""
+    calls = traced.attention_nodes()
+    if not calls:
+        inline = _inline_attention(traced)
+        if len(inline) != 1:
+            raise NoMatch(
+                f"expected exactly one KV chain rmsnorm(linear(x)) feeding one attention (an attention call, or a "
+                f"softmax between two matmuls), found {len(inline)} softmax-between-matmuls and no attention call"
+            )
+        return inline[0]
+    if len(calls) != 1:
+        raise NoMatch(
+            f"expected exactly one KV chain rmsnorm(linear(x)) feeding one attention call, found "
+            f"{len(calls)} attention calls"
+        )
+    call = calls[0]
+    if not g.is_interface_attention(call):
+        return _Attention(arg(call, 0, "query"), arg(call, 1, "key"), arg(call, 2, "value"), call, SDPA)
+    if len(call.args) < 3:
+        raise NoMatch("the attention call does not take query, key and value")
+    return _Attention(*call.args[:3], call, INTERFACE)
+
+
+def _inline_attention(traced: g.TracedModule) -> list[_Attention]:
+    """Every softmax with exactly one matmul upstream (``query @ key^T``) and one downstream whose first operand
+    it reaches and whose second it does not (``probabilities @ value``)."""
+    found = []
+    for soft in traced.graph.nodes:
+        if not (op_name(soft) == "softmax" or isinstance(traced.submodule(soft), nn.Softmax)):
+            continue
+        scores = g.nearest_upstream(traced, soft, _is_matmul)
+        mixes = g.nearest_downstream(traced, soft, _is_matmul)
+        if len(scores) != 1 or len(mixes) != 1:
+            continue
+        (query, key), (probs, value) = scores[0].args[:2], mixes[0].args[:2]
+        if g.reaches(soft, probs) and not (isinstance(value, fx.Node) and g.reaches(soft, value)):
+            found.append(_Attention(query, key, value, mixes[0], INLINE, frozenset((scores[0], mixes[0]))))
+    return found
+
+
+def _is_matmul(node: fx.Node) -> bool:
+    """A matrix product of two operands (``@``, ``torch.matmul``, ``Tensor.matmul``, ``bmm``)."""
+    return node.op in ("call_function", "call_method") and op_name(node) in ("matmul", "bmm") and len(node.args) >= 2
+
+
 def _match_traced(traced: g.TracedModule) -> MLAMatch:
     sub = traced.submodule
     for target, nodes in traced.nodes_by_module.items():
@@ -101,22 +198,14 @@ def _match_traced(traced: g.TracedModule) -> MLAMatch:
             raise NoMatch(f"submodule {target!r} is called {len(nodes)} times")
     linear_nodes = [n for n in traced.graph.nodes if _is_projection(sub(n))]
     norm_nodes = [n for n in traced.graph.nodes if n.op == "call_module" and g.rmsnorm_width(sub(n))]
-
-    attention = traced.attention_nodes()
-    if len(attention) != 1:
-        raise NoMatch(
-            f"expected exactly one KV chain rmsnorm(linear(x)) feeding one attention call, found "
-            f"{len(attention)} attention calls"
-        )
-    attn = attention[0]
-    if attn.target is not g._opaque_attention:
-        raise NoMatch("attention is computed inline (scaled_dot_product_attention), not through the attention interface")
-    if len(attn.args) < 3:
-        raise NoMatch("the attention call does not take query, key and value")
-    query_node, key_node, value_node = attn.args[:3]
+    attn = _find_attention(traced)
+    query_node, key_node, value_node = attn.query, attn.key, attn.value
+    # item writes into ``new_empty`` buffers (how remote DeepSeek code builds query and key) carry data only for
+    # inline attention: an interface match keeps the data-flow model its rewrite relies on
+    writes = attn.kind != INTERFACE
 
     def feeds(node, target) -> bool:
-        return isinstance(target, fx.Node) and (node is target or g.reaches(node, target))
+        return isinstance(target, fx.Node) and (node is target or g.reaches(node, target, through_writes=writes))
 
     chains = []  # (linear node, norm node, up-projection node, feeds query, feeds key/value)
     for norm in norm_nodes:
@@ -127,11 +216,15 @@ def _match_traced(traced: g.TracedModule) -> MLAMatch:
             continue
         if _out_features(sub(src)) < g.rmsnorm_width(sub(norm)):
             continue
-        ups = g.nearest_downstream(traced, norm, lambda n: _is_projection(sub(n)))
+        ups = g.nearest_downstream(traced, norm, lambda n: _is_projection(sub(n)), stop=lambda n: n in attn.stops)
         if len({n.target for n in ups}) != 1:
             continue  # not a down-projection / norm / up-projection chain (e.g. a norm on the rotary part)
         up = ups[0]
-        chains.append((src, norm, up, feeds(up, query_node), feeds(up, key_node) or feeds(up, value_node)))
+        to_key, to_value = feeds(up, key_node), feeds(up, value_node)
+        # through the interface an up-projection feeding key or value is enough (the head sizes, always known
+        # there, check the rest); without it they may be unknown: it must feed both, as MLA's KV expansion does
+        to_kv = (to_key or to_value) if attn.kind == INTERFACE else (to_key and to_value)
+        chains.append((src, norm, up, feeds(up, query_node), to_kv))
     # The KV chain's up-projection feeds key/value (never the query); the q-LoRA chain's feeds the query.
     # Widths only confirm it: the KV down-projection also carries the shared rotary part (equal widths when
     # the architecture has no RoPE), the q-LoRA one is exactly as wide as its norm.
@@ -156,32 +249,35 @@ def _match_traced(traced: g.TracedModule) -> MLAMatch:
         on_hidden = [
             n for n in linear_nodes
             if n is not kv_a and n.args and g.source_through_shape_ops(n.args[0]) is traced.hidden
-            and (n is query_node or g.reaches(n, query_node, stop=lambda m: _is_projection(sub(m))))
+            and (n is query_node or g.reaches(n, query_node, lambda m: _is_projection(sub(m)), through_writes=writes))
         ]
         q_proj = _single(on_hidden, "query projection on the hidden states")
     o_proj = g.linear_feeding_output(traced, adapters=True)
-    if o_proj is None or not g.reaches(attn, o_proj):
+    if o_proj is None or not g.reaches(attn.output, o_proj):
         raise NoMatch("no single output projection fed by the attention call")
 
-    query, value = g.meta_val(attn.args[0]), g.meta_val(attn.args[2])
-    if getattr(query, "ndim", 0) != 4 or getattr(value, "ndim", 0) != 4:
+    query, value = g.meta_val(query_node), g.meta_val(value_node)
+    shapes_known = getattr(query, "ndim", 0) == 4 and getattr(value, "ndim", 0) == 4
+    if not shapes_known and attn.kind == INTERFACE:
         raise NoMatch("query/value shapes at the attention call are unknown")
-    num_heads, qk_head_dim, v_head_dim = int(query.shape[1]), int(query.shape[3]), int(value.shape[3])
     rank = g.rmsnorm_width(sub(kv_norm))
     rope = _out_features(sub(kv_a)) - rank
-    nope = qk_head_dim - rope
     kv_b_mod = g.base_linear(sub(kv_b))
     if kv_b_mod.in_features != rank:
         raise NoMatch(f"KV up-projection takes {kv_b_mod.in_features} features, the latent has {rank}")
-    # the rows this process holds: all of them, or (tensor parallelism, a DTensor sharded by head) the local heads,
-    # which is also what the query shows at the attention call
-    kv_b_rows = _local_rows(kv_b_mod)
-    if kv_b_rows != num_heads * (nope + v_head_dim) or nope < 0:
-        raise NoMatch(
-            f"KV up-projection width {kv_b_rows} != heads {num_heads} x (nope {nope} + v {v_head_dim})"
-        )
-    if int(value.shape[1]) != num_heads:
-        raise NoMatch("value heads differ from query heads")
+    num_heads = nope = v_head_dim = None
+    if shapes_known:
+        num_heads, v_head_dim = int(query.shape[1]), int(value.shape[3])
+        nope = int(query.shape[3]) - rope
+        # the rows this process holds: all of them, or (tensor parallelism, a DTensor sharded by head) the local
+        # heads, which is also what the query shows at the attention call
+        kv_b_rows = _local_rows(kv_b_mod)
+        if kv_b_rows != num_heads * (nope + v_head_dim) or nope < 0:
+            raise NoMatch(
+                f"KV up-projection width {kv_b_rows} != heads {num_heads} x (nope {nope} + v {v_head_dim})"
+            )
+        if int(value.shape[1]) != num_heads:
+            raise NoMatch("value heads differ from query heads")
     return MLAMatch(
         q_proj=q_proj.target if q_proj is not None else None,
         q_a_proj=q_a.target if q_a is not None else None,
@@ -197,6 +293,7 @@ def _match_traced(traced: g.TracedModule) -> MLAMatch:
         v_head_dim=v_head_dim,
         kv_lora_rank=rank,
         q_lora_rank=_out_features(sub(q_a)) if q_a is not None else None,
+        attention=attn.kind,
     )
 
 
@@ -228,12 +325,17 @@ def apply_mla(module: nn.Module, match: MLAMatch, qualname: str) -> FusionRow:
     from ..rewrite import RewriteError, rewrite_mla_forward
 
     row = FusionRow(qualname, type(module).__name__, "mla", "fallback")
+    if not match.rewritable:
+        row.reason = (f"MLA by structure, but attention is computed inline ({match.attention}), not through the "
+                      "attention interface: nothing to rewrite")
+        return row
+    plan = MLAPlan(match)
     try:
         rewrite_mla_forward(module, match)
     except RewriteError as exc:
         row.reason = f"rewrite declined: {exc}"
         return row
-    setattr(module, PLAN_ATTR, MLAPlan(match))
+    set_plan(module, "mla", plan)
     row.status = "fused"
     down, kv_b = _wrapped(module, match.q_a_proj, match.kv_a_proj), _wrapped(module, match.kv_b_proj)
     row.reason = f"{match.num_heads} heads, latent {match.kv_lora_rank}+{match.qk_rope_head_dim}"

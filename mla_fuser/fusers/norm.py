@@ -33,7 +33,6 @@ A mismatch restores the original forward and reports a fallback.
 from __future__ import annotations
 
 import inspect
-import operator
 import types
 import warnings
 from dataclasses import dataclass
@@ -41,26 +40,16 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from .. import graph as g
+from ..fx_ops import CAST_METHODS, arg, is_number, meta_dtype, op_name
 from ..kernels.dispatch import launches_are_free, use_triton
 from ..kernels.rms_norm import KERNEL_DTYPES, rms_norm
+from ..plans import clear_plan, plan_of, set_plan
 from .base import Fuser, FusionRow, NoMatch, shape_key
 
-PLAN_ATTR = "_mla_fuser_norm_plan"
 _TRACE_DTYPES = (torch.bfloat16, torch.float16)  # two 16-bit inputs: casts back to "the input dtype" are told apart
-
-_FUNCTIONS = {
-    operator.add: "add", torch.add: "add", operator.mul: "mul", torch.mul: "mul", torch.rsqrt: "rsqrt",
-    torch.mean: "mean", torch.pow: "pow", operator.pow: "pow", torch.square: "square", torch.sqrt: "sqrt",
-    operator.sub: "sub", torch.sub: "sub", operator.truediv: "div", torch.div: "div", torch.var: "var",
-    F.rms_norm: "rms_norm", F.layer_norm: "layer_norm",
-}
-if hasattr(torch, "rms_norm"):
-    _FUNCTIONS[torch.rms_norm] = "rms_norm"
-_CASTS = {"to", "float", "half", "bfloat16", "double", "type", "type_as"}
 
 
 @dataclass(frozen=True)
@@ -124,7 +113,7 @@ class NormFuser(Fuser):
     def apply(cls, module: nn.Module, match: NormMatch, qualname: str) -> FusionRow:
         """Bind the fused forward to this instance, keep it only when it agrees with the original."""
         row = FusionRow(qualname, type(module).__name__, cls.name, "fallback")
-        if isinstance(module.__dict__.get(PLAN_ATTR), _NormPlan):
+        if isinstance(plan_of(module, "norm"), _NormPlan):
             row.status, row.reason = "fused", "already fused"
             return row
         weight = module._parameters.get(match.weight_name)
@@ -140,7 +129,7 @@ class NormFuser(Fuser):
             row.reason = "the instance already has its own forward"
             return row
         original = module._old_forward if hooked else types.MethodType(type(module).forward, module)
-        object.__setattr__(module, PLAN_ATTR, _NormPlan(match, original))
+        set_plan(module, "norm", _NormPlan(match, original))
         module.__dict__[slot] = types.MethodType(_fused_forward, module)
         problem = _check_against_original(module, match, original)
         if problem:
@@ -148,7 +137,7 @@ class NormFuser(Fuser):
                 module.__dict__[slot] = original
             else:
                 del module.__dict__[slot]
-            del module.__dict__[PLAN_ATTR]
+            clear_plan(module, "norm")
             row.reason = f"fused forward differs from the original: {problem}"
             return row
         row.status, row.reason = "fused", match.describe()
@@ -202,23 +191,6 @@ class _Role(NamedTuple):
     offset_dtype: torch.dtype | None = None  # the dtype ``weight + 1`` was computed in
 
 
-def _op_name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        return _FUNCTIONS.get(node.target, getattr(node.target, "__name__", str(node.target)))
-    return node.op
-
-
-def _dtype(value):
-    val = g.meta_val(value) if isinstance(value, fx.Node) else None
-    return val.dtype if isinstance(val, torch.Tensor) else None
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 class _Interpreter:
     """Gives every node of the traced norm a ``_Role``; returns ``(eps, weight_offset, weight_in_fp32)``."""
 
@@ -251,9 +223,9 @@ class _Interpreter:
             return _Role("w")
         if node.op not in ("call_method", "call_function"):
             raise NoMatch(f"calls {node.op} {node.target!r}")
-        name = _op_name(node)
+        name = op_name(node)
         handler = getattr(self, f"op_{name}", None)
-        if name in _CASTS:
+        if name in CAST_METHODS:
             handler = self.op_cast
         if handler is None:
             if name in ("rms_norm",):
@@ -267,12 +239,12 @@ class _Interpreter:
 
     def unknown(self, node: fx.Node, what: str = "not a step of an RMSNorm") -> NoMatch:
         roles = [r.kind if (r := self.role(a)) else repr(a) for a in node.args]
-        return NoMatch(f"{_op_name(node)}({', '.join(roles)}): {what}")
+        return NoMatch(f"{op_name(node)}({', '.join(roles)}): {what}")
 
     # casts: x up to fp32, the normalised row back to the input dtype, the weight up to fp32, the result
     def op_cast(self, node: fx.Node) -> _Role:
         src = self.role(node.args[0])
-        before, after = _dtype(node.args[0]), _dtype(node)
+        before, after = meta_dtype(node.args[0]), meta_dtype(node)
         if src is None or before is None or after is None:
             raise self.unknown(node)
         if before == after:
@@ -288,7 +260,7 @@ class _Interpreter:
         raise self.unknown(node, f"casts {src.kind} from {before} to {after}")
 
     def op_pow(self, node: fx.Node) -> _Role:
-        base, exponent = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("exponent")
+        base, exponent = node.args[0], arg(node, 1, "exponent")
         if exponent == -0.5:
             raise NoMatch("pow(v, -0.5) in place of rsqrt: another rounding")
         if exponent == 2:
@@ -300,14 +272,13 @@ class _Interpreter:
 
     def square(self, node, a, b) -> _Role:
         ra, rb = self.role(a), self.role(b)
-        if ra == rb == _Role("x") and _dtype(a) == _dtype(b) == _dtype(node) == torch.float32:
+        if ra == rb == _Role("x") and meta_dtype(a) == meta_dtype(b) == meta_dtype(node) == torch.float32:
             return _Role("sq")
         raise self.unknown(node, "is not the fp32 square of the input")
 
     def op_mean(self, node: fx.Node) -> _Role:
         src = self.role(node.args[0])
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        dim, keepdim = arg(node, 1, "dim"), arg(node, 2, "keepdim", False)
         dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
         if (src is None or src.kind != "sq" or dims not in ((-1,), (self.ndim - 1,)) or keepdim is not True
                 or "dtype" in node.kwargs):
@@ -320,12 +291,12 @@ class _Interpreter:
         a, b = node.args
         tensor, number = (a, b) if isinstance(a, fx.Node) else (b, a)
         src = self.role(tensor)
-        if src is None or not _is_number(number):
+        if src is None or not is_number(number):
             raise self.unknown(node, "adds two tensors")
         if src.kind == "ms":
             return _Role("mse", eps=float(number))
         if src.kind == "w" and src.offset == 0.0 and number == 1:
-            return src._replace(offset=1.0, offset_dtype=_dtype(node))
+            return src._replace(offset=1.0, offset_dtype=meta_dtype(node))
         raise self.unknown(node)
 
     def op_rsqrt(self, node: fx.Node) -> _Role:
@@ -344,16 +315,16 @@ class _Interpreter:
         kinds = {ra.kind: (ra, a), rb.kind: (rb, b)}
         if ra.kind == rb.kind == "x":
             return self.square(node, a, b)
-        if set(kinds) == {"x", "r"} and _dtype(node) == torch.float32:
+        if set(kinds) == {"x", "r"} and meta_dtype(node) == torch.float32:
             return _Role("n", eps=kinds["r"][0].eps)  # a 16-bit x is widened exactly by type promotion
         if set(kinds) == {"w", "nc"}:
             w, w_node = kinds["w"]
-            if _dtype(w_node) != self.weight_dtype:
+            if meta_dtype(w_node) != self.weight_dtype:
                 raise NoMatch("the weight is cast before multiplying the row cast back to the input dtype")
             if w.offset and w.offset_dtype != self.weight_dtype:
                 raise NoMatch("1 + weight is computed in another dtype than the weight's")
             return _Role("p1", eps=kinds["nc"][0].eps, offset=w.offset)
-        if set(kinds) == {"w", "n"} and _dtype(node) == torch.float32:
+        if set(kinds) == {"w", "n"} and meta_dtype(node) == torch.float32:
             w = kinds["w"][0]
             if w.offset and w.offset_dtype != torch.float32:
                 raise NoMatch(f"1 + weight is rounded to {w.offset_dtype} before an fp32 multiply")
@@ -370,7 +341,7 @@ class _Interpreter:
         if role.kind == "out2":
             return role.eps, role.offset, True
         if role.kind == "p2":
-            raise NoMatch(f"returns {_dtype(result)} for a {self.input_dtype} input (no cast back)")
+            raise NoMatch(f"returns {meta_dtype(result)} for a {self.input_dtype} input (no cast back)")
         if role.kind in ("n", "nc"):
             raise NoMatch("the weight is not applied to the output")
         raise NoMatch(f"the output is {role.kind}, not a normalised, weighted row")
@@ -411,7 +382,7 @@ def _fused_forward(self: nn.Module, *args, **kwargs):
     """Bound to one norm instance: ``rms_norm`` on the module's current weight; anything the match does not
     cover runs the original forward.  The matched forward takes one input, so a lone argument (positional or
     by its name) is the hidden states."""
-    plan: _NormPlan = self.__dict__[PLAN_ATTR]
+    plan: _NormPlan = plan_of(self, "norm")
     m = plan.match
     weight = self._parameters[m.weight_name]
     if len(args) + len(kwargs) != 1:
@@ -438,7 +409,7 @@ def _check_against_original(module: nn.Module, match: NormMatch, original: Calla
             module._parameters[match.weight_name] = w
             with torch.no_grad():
                 # the kernel itself, also where an eager call would run the original (few rows on CUDA)
-                ref, got = original(x), module.__dict__[PLAN_ATTR].kernel(x, w)
+                ref, got = original(x), plan_of(module, "norm").kernel(x, w)
             problem = _compare(got, ref, None if exact else _max_ulps(match, ref.dtype))
             if problem:
                 return problem + ("" if w is weight else " (random weight)")

@@ -19,6 +19,7 @@ implementation.  Which one runs is decided here, once per call, from the input t
 from __future__ import annotations
 
 import contextvars
+import contextlib
 import functools
 
 import torch
@@ -117,6 +118,13 @@ class LazyJit:
 
     def __getitem__(self, grid):
         return on_tensor_device(self.get()[grid])
+
+
+def on_device(t: torch.Tensor):
+    """Make ``t``'s CUDA device current for the launches inside the block (Triton launches on the *current* device,
+    and a model split over GPUs with ``device_map`` runs layers on other devices than the current one); no-op off
+    CUDA.  ``on_tensor_device`` does the same for one launcher."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def on_tensor_device(launcher):

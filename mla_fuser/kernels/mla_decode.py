@@ -50,12 +50,11 @@ Triton design (``_mla_decode_stage1`` + ``_mla_decode_stage2``)
   ``TRITON_INTERPRET=1`` whatever the import order; bf16 dots are upcast under the interpreter
   only (its bf16 ``tl.dot`` is broken in triton 3.9).
 
-Measured on one H200 (triton 3.6, torch 2.11, bf16, page 64, CUDA-graph replays, inputs rotated
-past L2; ``benchmarks/bench_mla_decode_kernel.py``): copy 4250 GB/s (read+write); H=16:
-64x8192 3632 GB/s, 128x4096 3744, 16x32768 3686, 1x32768 1583 (23.8 us); H=128: 279 / 276 / 266 /
-162 TFLOP/s.  Short of the targets: B=1 L=32768 H=16 (2000 GB/s wanted: the two launches and the
-split merge are a large share of 24 us) and H=128 (300 TFLOP/s wanted: the two warpgroups split
-the 64-token QK^T tile, the softmax is not overlapped with the MMAs).
+What it reaches is measured by ``benchmarks/bench_mla_decode_kernel.py`` against the copy bandwidth of the same
+run; the figures live in ``benchmarks/results/mla_decode_kernel.json`` (and the README), not here, where they would
+go stale.  Known short of its targets: B=1 at long context (two launches plus the split merge are a large share
+of a ~20 us step) and H=128 (the two warpgroups split the 64-token QK^T tile; the softmax is not overlapped with
+the MMAs).
 
 The op is also registered as ``torch.ops.mla_fuser.mla_decode`` (a ``torch.library`` custom op with
 a fake implementation) so torch.compile treats it as one opaque node; the Triton launches are

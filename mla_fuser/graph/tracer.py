@@ -1,4 +1,4 @@
-"""torch.fx tracing of one module's forward, with meta-tensor shapes, plus structural queries.
+"""torch.fx tracing of one module's forward, with meta-tensor shapes.
 
 Why a custom tracer: Hugging Face forwards read shapes (``hidden_states.shape[:-1]``, ``*x.shape[:-1]``)
 and unpack tuples; plain symbolic tracing fails on those.  ``MetaTracer`` attaches a meta tensor (shape and
@@ -8,10 +8,8 @@ concrete answers.  The graph is used for *analysis only* (finding roles and data
 Rules of the trace:
 * every child module is a leaf (one ``call_module`` node; its output shape comes from running the child
   with meta copies of its parameters);
-* the attention-interface call is one opaque node: while tracing, the module's config is pointed at a
-  tracing-only interface registered in ``AttentionInterface`` (``TRACE_ATTENTION_NAME``); the previous value
-  is restored in a ``finally`` block, even when tracing fails.  ``F.scaled_dot_product_attention`` called
-  directly is recorded as a single node too, and also counts as the attention call;
+* the attention-interface call is one opaque node (``attention.py``);
+* an item write ``t[i] = v`` is one ``operator.setitem`` node (plain fx proxies refuse item assignment);
 * inputs: the first forward argument is the hidden states (a meta tensor); arguments annotated as a
   transformers ``Cache`` and other arguments without a tensor annotation are passed concretely (their
   default); tensor-like arguments are "wildcards" whose meta value is a 0-d tensor, which broadcasts through
@@ -20,15 +18,12 @@ Rules of the trace:
   values is also run for real, and the node's meta value is taken from that result: data-dependent children
   (a DSA indexer's boolean indexing / ``nonzero``) then still get concrete output shapes.  Control flow is never
   specialised on those values (``bool()`` of a proxy still fails), the example tensors are private copies, and
-  attributes fx adds to the root while tracing (``_tensor_constant<i>``) are removed afterwards;
-* an argument that is literally ``None`` (``x[:, None]``, ``beta=None``) is a known value, distinct from a node
-  whose value is unknown (``UNKNOWN``).
+  attributes fx adds to the root while tracing (``_tensor_constant<i>``) are removed afterwards.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dis
 import inspect
 import operator
@@ -41,7 +36,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-TRACE_ATTENTION_NAME = "mla_fuser_trace"
+from . import values as nested
+from .attention import (
+    _opaque_attention, attention_traced_opaquely, is_attention_node, opaque_attention_meta, register_tracing_interface,
+)
 
 # fx tracing patches ``nn.Module.__call__`` / ``__getattr__`` and module globals for the whole process while it
 # runs, and torch keeps one current patcher: two traces in two threads interleave their patches (one leaves the
@@ -49,92 +47,17 @@ TRACE_ATTENTION_NAME = "mla_fuser_trace"
 # by the process), holds this lock; re-entrant because a trace may trace a child (RMSNorm by computation).
 TRACE_LOCK = threading.RLock()
 
-# ops that only move or re-view data: data flow "through" them keeps the same tensor identity for our purposes
-SHAPE_OPS_METHODS = {
-    "view", "reshape", "transpose", "permute", "contiguous", "to", "float", "half", "bfloat16", "type",
-    "flatten", "unflatten", "unsqueeze", "squeeze", "expand", "split", "chunk", "narrow", "clone", "type_as",
-}
-SHAPE_OPS_FUNCTIONS = {
-    torch.split, torch.chunk, torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.unsqueeze,
-    torch.squeeze, torch.narrow, operator.getitem,
-}
-
 
 class TraceError(RuntimeError):
     """The module's forward could not be traced; the reason is the message."""
 
 
-class _Unknown:
-    """Marks an input whose meta value is unknown (distinct from a literal ``None`` argument)."""
-
-    def __repr__(self):
-        return "<unknown>"
-
-
-UNKNOWN = _Unknown()
-
-
-def _meta_of(value):
-    """Replace proxies by their meta values (``UNKNOWN`` when unknown) inside nested args.
-
-    A literal ``None`` stays ``None`` (``x[:, None]``, ``beta=None``); only a proxy whose node has no value
-    becomes ``UNKNOWN``.
-    """
-    if isinstance(value, fx.Proxy):
-        val = value.node.meta.get("val", None)
-        return UNKNOWN if val is None else val
-    if isinstance(value, fx.Node):
-        val = value.meta.get("val", None)
-        return UNKNOWN if val is None else val
-    if isinstance(value, (list, tuple)):
-        return type(value)(_meta_of(v) for v in value) if not hasattr(value, "_fields") else value
-    if isinstance(value, dict):
-        return {k: _meta_of(v) for k, v in value.items()}
-    if isinstance(value, slice):
-        return slice(_meta_of(value.start), _meta_of(value.stop), _meta_of(value.step))
-    return value
-
-
-def _contains_unknown(meta_args) -> bool:
-    if meta_args is UNKNOWN:
-        return True
-    if isinstance(meta_args, (list, tuple)):
-        return any(_contains_unknown(v) for v in meta_args)
-    if isinstance(meta_args, dict):
-        return any(_contains_unknown(v) for v in meta_args.values())
-    return False
-
-
-def _has_wildcard(meta_args) -> bool:
-    if isinstance(meta_args, torch.Tensor):
-        return meta_args.ndim == 0 and meta_args.device.type == "meta"
-    if isinstance(meta_args, (list, tuple)):
-        return any(_has_wildcard(v) for v in meta_args)
-    if isinstance(meta_args, dict):
-        return any(_has_wildcard(v) for v in meta_args.values())
-    return False
-
-
-class _NoReal(Exception):
-    pass
-
-
+# "no real value" (``None`` is a real result of some ops)
 _NO_REAL = object()
-
-
-def _meta_representable(value) -> bool:
-    """Values whose meta copy is meaningful: tensors (not meta ones), and plain containers of them/None/ints."""
-    if isinstance(value, torch.Tensor):
-        return value.device.type != "meta"
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return all(_meta_representable(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, torch.dtype, torch.device, torch.Size))
 
 
 class MetaProxy(fx.Proxy):
     """A proxy that answers shape/dtype queries from the meta tensor attached to its node."""
-
-    _CONCRETE_ATTRS = ("shape", "dtype", "ndim", "is_complex", "is_floating_point")
 
     @property
     def meta(self):
@@ -170,6 +93,11 @@ class MetaProxy(fx.Proxy):
         if index < len(instructions) and instructions[index].opname == "UNPACK_SEQUENCE":
             return iter([self[i] for i in range(instructions[index].argval)])
         raise TraceError("iteration over a value of unknown length")
+
+    def __setitem__(self, index, value):
+        # an item write (``buf[..., :n] = part``: modeling code fills ``new_empty`` buffers so) is one
+        # ``operator.setitem`` node, which plain fx proxies refuse; ``queries.reaches`` can follow it
+        self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
 
     def __bool__(self):
         raise TraceError("data-dependent control flow (bool() of a traced tensor)")
@@ -245,32 +173,18 @@ class MetaTracer(fx.Tracer):
         self._computing_meta = True
         try:
             real = self._compute_real(kind, target, args, kwargs)
-            if real is not _NO_REAL and _meta_representable(real):
+            if real is not _NO_REAL and nested.meta_representable(real):
                 self._real[node] = real
-                node.meta["val"] = to_meta(real)
+                node.meta["val"] = nested.to_meta(real)
                 return proxy
             node.meta["val"] = self._compute_meta(kind, target, args, kwargs)
         except Exception:
             # An op on a wildcard input (a 0-d stand-in for an input of unknown shape) that 0-d cannot
             # satisfy (``unsqueeze(1)``, indexing) stays a wildcard; anything else becomes unknown.
-            node.meta["val"] = _wildcard() if _has_wildcard(_meta_of((args, kwargs))) else None
+            node.meta["val"] = nested.wildcard() if nested.has_wildcard(nested.meta_of((args, kwargs))) else None
         finally:
             self._computing_meta = False
         return proxy
-
-    def _real_of(self, value):
-        """Replace proxies by their real values inside nested args; raise ``_NoReal`` when one has none."""
-        if isinstance(value, fx.Proxy):
-            if value.node not in self._real:
-                raise _NoReal
-            return self._real[value.node]
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-            return type(value)(self._real_of(v) for v in value)
-        if isinstance(value, dict):
-            return {k: self._real_of(v) for k, v in value.items()}
-        if isinstance(value, slice):
-            return slice(self._real_of(value.start), self._real_of(value.stop), self._real_of(value.step))
-        return value
 
     def _compute_real(self, kind, target, args, kwargs):
         """The op run on real example values (``_NO_REAL`` when an input has none or the op fails).
@@ -291,8 +205,8 @@ class MetaTracer(fx.Tracer):
                 obj = getattr(obj, part)
             return obj.detach().clone() if isinstance(obj, torch.Tensor) else _NO_REAL
         try:
-            real_args, real_kwargs = self._real_of(args), self._real_of(kwargs)
-        except _NoReal:
+            real_args, real_kwargs = nested.real_of(args, self._real), nested.real_of(kwargs, self._real)
+        except nested.NoReal:
             return _NO_REAL
         try:
             with torch.no_grad():
@@ -317,12 +231,12 @@ class MetaTracer(fx.Tracer):
             for part in target.split("."):
                 obj = getattr(obj, part)
             return torch.empty_like(obj, device="meta") if isinstance(obj, torch.Tensor) else obj
-        meta_args, meta_kwargs = _meta_of(args), _meta_of(kwargs)
+        meta_args, meta_kwargs = nested.meta_of(args), nested.meta_of(kwargs)
         if kind == "call_function" and target is _opaque_attention:
-            return _opaque_attention_meta(*meta_args, **meta_kwargs)
+            return opaque_attention_meta(*meta_args, **meta_kwargs)
         if kind == "call_function" and target is operator.getitem and isinstance(meta_args[0], (tuple, list)):
             return meta_args[0][meta_args[1]]
-        if _contains_unknown(list(meta_args)) or _contains_unknown(meta_kwargs):
+        if nested.contains_unknown(list(meta_args)) or nested.contains_unknown(meta_kwargs):
             return None
         with torch.no_grad():
             if kind == "call_module":
@@ -334,58 +248,6 @@ class MetaTracer(fx.Tracer):
             if kind == "call_function":
                 return target(*meta_args, **meta_kwargs)
         return None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the opaque attention node
-
-
-def _opaque_attention(query, key, value, attention_mask, **kwargs):  # pragma: no cover - never executed
-    """Stand-in target of the attention-call node; the graph is analysed, never run."""
-    raise RuntimeError("mla_fuser tracing placeholder must not be executed")
-
-
-def _opaque_attention_meta(query, key, value, attention_mask=None, **kwargs):
-    if not (isinstance(query, torch.Tensor) and isinstance(value, torch.Tensor)):
-        return None
-    batch, heads, q_len, _ = query.shape
-    out = torch.empty(batch, q_len, heads, value.shape[-1], device="meta", dtype=query.dtype)
-    return (out, None)
-
-
-def _tracing_attention_interface(module, query, key, value, attention_mask, **kwargs):
-    """Registered under ``TRACE_ATTENTION_NAME``: emits one opaque node when called with proxies."""
-    if isinstance(query, fx.Proxy):
-        tracer = query.tracer
-        kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, nn.Module)}
-        out = tracer.create_proxy("call_function", _opaque_attention, (query, key, value, attention_mask), kwargs)
-        return out[0], None
-    raise RuntimeError(f"the '{TRACE_ATTENTION_NAME}' attention implementation exists only for tracing")
-
-
-def register_tracing_interface() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(TRACE_ATTENTION_NAME, _tracing_attention_interface)
-
-
-@contextlib.contextmanager
-def _attention_traced_opaquely(module: nn.Module):
-    """Point the module's config at the tracing-only interface; restore it whatever happens."""
-    config = getattr(module, "config", None)
-    if config is None or not hasattr(config, "_attn_implementation_internal"):
-        yield
-        return
-    previous = config.__dict__.get("_attn_implementation_internal")
-    config.__dict__["_attn_implementation_internal"] = TRACE_ATTENTION_NAME
-    try:
-        yield
-    finally:
-        config.__dict__["_attn_implementation_internal"] = previous
-
-
-# ---------------------------------------------------------------------------------------------------------
-# tracing entry point
 
 
 def _annotation_mentions(annotation, names: tuple[str, ...]) -> bool:
@@ -411,10 +273,6 @@ def is_tensor_annotation(annotation) -> bool:
     if annotation is inspect.Parameter.empty:
         return False
     return _annotation_mentions(annotation, ("Tensor",))
-
-
-def _wildcard():
-    return torch.empty((), device="meta")
 
 
 @dataclass
@@ -456,46 +314,6 @@ def _undecorated_view(module: nn.Module) -> nn.Module:
     return view
 
 
-def to_meta(value):
-    """Meta copies (shape and dtype only) of the tensors inside a nested value; other values unchanged."""
-    if isinstance(value, torch.Tensor):
-        return torch.empty_like(value, device="meta")
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(to_meta(v) for v in value)
-    if isinstance(value, dict):
-        return {k: to_meta(v) for k, v in value.items()}
-    return value
-
-
-def _all_real(value) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.device.type != "meta"
-    if isinstance(value, (list, tuple)):
-        return all(_all_real(v) for v in value)
-    if isinstance(value, dict):
-        return all(_all_real(v) for v in value.values())
-    return True
-
-
-def _detached_clone(value):
-    """Private copies of the example tensors (the traced forward may write into its inputs in place)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_detached_clone(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _detached_clone(v) for k, v in value.items()}
-    return value
-
-
-def _has_tensor(value) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(_has_tensor(v) for v in value)
-    return False
-
-
 def trace_module(module: nn.Module, hidden_size: int | None = None, seq_len: int = 3, dtype=torch.float32,
                  example_inputs: tuple[tuple, dict] | None = None) -> TracedModule:
     """Trace ``module.forward``.
@@ -529,10 +347,10 @@ def trace_module(module: nn.Module, hidden_size: int | None = None, seq_len: int
             value = bound.get(p.name, p.default)
             if value is inspect.Parameter.empty:
                 raise TraceError(f"no value for forward argument {p.name!r}")
-            if _has_tensor(value):
-                tracer.placeholder_meta[p.name] = to_meta(value)
-                if _all_real(value):
-                    tracer.placeholder_real[p.name] = _detached_clone(value)
+            if nested.has_tensor(value):
+                tracer.placeholder_meta[p.name] = nested.to_meta(value)
+                if nested.all_real(value):
+                    tracer.placeholder_real[p.name] = nested.detached_clone(value)
             else:
                 concrete_args[p.name] = value
         return run_trace(module, tracer, concrete_args, params[0].name, hidden_size)
@@ -543,11 +361,11 @@ def trace_module(module: nn.Module, hidden_size: int | None = None, seq_len: int
         if is_cache_annotation(p.annotation):
             concrete_args[p.name] = None
         elif is_tensor_annotation(p.annotation):
-            tracer.placeholder_meta[p.name] = _wildcard()
+            tracer.placeholder_meta[p.name] = nested.wildcard()
         elif p.default is not inspect.Parameter.empty:
             concrete_args[p.name] = p.default
         else:
-            tracer.placeholder_meta[p.name] = _wildcard()
+            tracer.placeholder_meta[p.name] = nested.wildcard()
     return run_trace(module, tracer, concrete_args, params[0].name, hidden_size)
 
 
@@ -556,7 +374,7 @@ def run_trace(module, tracer, concrete_args, hidden_name, hidden_size) -> Traced
     left exactly as it was (attention implementation restored, fx constants removed)."""
     attrs_before = set(module.__dict__)
     try:
-        with TRACE_LOCK, _attention_traced_opaquely(module), warnings.catch_warnings():
+        with TRACE_LOCK, attention_traced_opaquely(module), warnings.catch_warnings():
             # fx warns that it cannot guard concrete container arguments (a dict of shared KV states): the
             # graph is analysed, never run, so specialisation on them is harmless
             warnings.filterwarnings("ignore", message="Was not able to add assertion", category=UserWarning)
@@ -580,191 +398,3 @@ def run_trace(module, tracer, concrete_args, hidden_name, hidden_size) -> Traced
         if n.op == "call_module":
             traced.nodes_by_module.setdefault(n.target, []).append(n)
     return traced
-
-
-# ---------------------------------------------------------------------------------------------------------
-# structural queries
-
-
-def is_attention_node(node: fx.Node) -> bool:
-    return node.op == "call_function" and (
-        node.target is _opaque_attention or node.target is torch.nn.functional.scaled_dot_product_attention
-    )
-
-
-def is_linear(module: nn.Module | None, adapters: bool = False) -> bool:
-    """A linear projection: ``nn.Linear`` or a subclass (quantised/parallel linears subclass it too).
-
-    ``adapters=True`` also accepts an adapter layer around one (``base_linear``).  Only for a family whose fused
-    code calls such a projection as itself (MLA): a family that reads the weights would drop the adapters."""
-    return base_linear(module) is not None if adapters else isinstance(module, nn.Linear)
-
-
-def base_linear(module: nn.Module | None) -> nn.Linear | None:
-    """The ``nn.Linear`` that ``module`` is, or wraps as ``base_layer`` (PEFT's adapter layers keep the original
-    linear there and add their low-rank terms around it; its in/out features are the wrapper's); else None."""
-    while module is not None and not isinstance(module, nn.Linear):
-        module = getattr(module, "base_layer", None)
-    return module
-
-
-def is_plain_linear(module: nn.Module | None) -> bool:
-    """An ``nn.Linear`` that wraps nothing: its ``weight`` (and bias) is all it computes with, so fused code may
-    read them instead of calling it.  An adapter layer (``base_linear``) adds terms its base weight does not hold."""
-    return isinstance(module, nn.Linear) and getattr(module, "base_layer", None) is None
-
-
-def is_shape_op(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target in SHAPE_OPS_METHODS
-    if node.op == "call_function":
-        return node.target in SHAPE_OPS_FUNCTIONS
-    return False
-
-
-def meta_val(node: fx.Node):
-    return node.meta.get("val", None)
-
-
-def _input_nodes(node: fx.Node) -> list[fx.Node]:
-    return list(node.all_input_nodes)
-
-
-def source_through_shape_ops(node: fx.Node) -> fx.Node:
-    """Follow the first tensor input back through view/split/getitem/cast ops to the producing op."""
-    seen = set()
-    while is_shape_op(node) and node not in seen:
-        seen.add(node)
-        inputs = _input_nodes(node)
-        if not inputs:
-            break
-        node = inputs[0]
-    return node
-
-
-def nearest_downstream(traced: TracedModule, start: fx.Node, predicate) -> list[fx.Node]:
-    """Nodes matching ``predicate`` reachable from ``start`` along users without passing through another
-    match or the attention call; the first layer of matches (breadth first)."""
-    found, frontier, seen = [], list(start.users), set()
-    while frontier:
-        nxt = []
-        for node in frontier:
-            if node in seen:
-                continue
-            seen.add(node)
-            if is_attention_node(node) or node.op == "output":
-                continue
-            if predicate(node):
-                found.append(node)
-                continue
-            nxt.extend(node.users)
-        if found:
-            return found
-        frontier = nxt
-    return found
-
-
-def nearest_upstream(traced: TracedModule, start: fx.Node, predicate) -> list[fx.Node]:
-    """Nodes matching ``predicate`` reachable backwards from ``start`` without passing the attention call."""
-    found, frontier, seen = [], _input_nodes(start), set()
-    while frontier:
-        nxt = []
-        for node in frontier:
-            if node in seen:
-                continue
-            seen.add(node)
-            if is_attention_node(node):
-                continue
-            if predicate(node):
-                found.append(node)
-                continue
-            nxt.extend(_input_nodes(node))
-        if found:
-            return found
-        frontier = nxt
-    return found
-
-
-def reaches(start: fx.Node, target: fx.Node, stop=None) -> bool:
-    """True when data flows from ``start`` to ``target`` (optionally not through nodes where ``stop``)."""
-    frontier, seen = [start], set()
-    while frontier:
-        node = frontier.pop()
-        if node is target:
-            return True
-        if node in seen:
-            continue
-        seen.add(node)
-        if node is not start and stop is not None and stop(node):
-            continue
-        frontier.extend(node.users)
-    return False
-
-
-def linear_feeding_output(traced: TracedModule, adapters: bool = False) -> fx.Node | None:
-    """The single linear nearest to the forward's output (the output projection), or None (``adapters``: as in
-    ``is_linear``)."""
-    out = traced.output
-    lin = nearest_upstream(traced, out, lambda n: is_linear(traced.submodule(n), adapters))
-    lin = list(dict.fromkeys(lin))
-    return lin[0] if len(lin) == 1 else None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# RMSNorm by computation
-
-_RMSNORM_CACHE: dict[tuple, int | None] = {}
-
-
-def _single_weight(module: nn.Module) -> torch.Tensor | None:
-    params = list(module.parameters(recurse=False))
-    if len(list(module.children())) or len(params) != 1 or params[0].ndim != 1:
-        return None
-    return params[0]
-
-
-def rmsnorm_width(module: nn.Module | None) -> int | None:
-    """Width of an RMSNorm-like module, recognised by what it computes, not by its name.
-
-    Accepts ``x * rsqrt(mean(x**2, -1) + eps) * weight`` (any casts, ``x*x`` or ``pow``, ``1/sqrt`` or
-    ``rsqrt``, weight or ``1 + weight``), ``F.rms_norm`` and ``nn.RMSNorm``.  Rejects anything that
-    subtracts a mean (LayerNorm) or has more than the one 1-D weight.
-    """
-    if module is None:
-        return None
-    weight = _single_weight(module)
-    if weight is None:
-        return None
-    key = (type(module), tuple(weight.shape))
-    with TRACE_LOCK:
-        if key not in _RMSNORM_CACHE:
-            width = int(weight.shape[0])
-            _RMSNORM_CACHE[key] = width if _computes_rmsnorm(module, width) else None
-        return _RMSNORM_CACHE[key]
-
-
-def _computes_rmsnorm(module: nn.Module, width: int) -> bool:
-    if isinstance(module, nn.RMSNorm):
-        return True
-    try:
-        traced = trace_module(module, width)
-    except TraceError:
-        return False
-    nodes = list(traced.graph.nodes)
-    if any(n.op == "call_function" and n.target is torch.nn.functional.rms_norm for n in nodes):
-        return True
-
-    def name(n):
-        return n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
-
-    means = [n for n in nodes if n.op in ("call_method", "call_function") and name(n) == "mean"]
-    has_square = any(
-        (name(n) == "pow" and len(n.args) > 1 and n.args[1] == 2)
-        or (name(n) in ("mul",) and len(n.args) == 2 and n.args[0] is n.args[1])
-        or name(n) == "square"
-        for n in nodes
-    )
-    has_rsqrt = any(name(n) in ("rsqrt", "sqrt") for n in nodes)
-    subtracts = any(name(n) in ("sub", "var", "layer_norm") for n in nodes)
-    uses_weight = any(n.op == "get_attr" for n in nodes)
-    return bool(means) and has_square and has_rsqrt and uses_weight and not subtracts

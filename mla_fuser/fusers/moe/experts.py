@@ -1,0 +1,225 @@
+"""Decorated experts (``@use_experts_implementation``): the ``"mla_fuser"`` implementation and the per-block switch.
+
+On import, ``"mla_fuser"`` is registered in Transformers' ``ExpertsInterface`` (``experts_implementation=
+"mla_fuser"`` selects it too): ``fused_experts`` on the module's 3-D weights, or the implementation chosen
+before wherever the kernel cannot run.  The decorator picks the implementation at call time from
+``self.config._experts_implementation``, and that config is shared by the whole model, so ``apply_interface``
+gives one experts instance a config *view* (``_ExpertsConfigView``) that names ``"mla_fuser"`` while the
+model's own choice is unchanged since fusion; other blocks (declined ones included) keep theirs.  Generate's
+decode-time swap to ``batched_mm`` is told apart from a user's choice by a ``ContextVar`` that
+``keep_fused_experts`` sets (the runtime's ``generate`` enters it for models with ``has_switched_experts``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+
+import torch
+from torch import nn
+
+from ... import compat
+from ..base import NoMatch
+from .mlp import activation_name
+from .specs import KERNEL_DTYPES, MoEMatch
+
+IMPL_NAME = "mla_fuser"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# recognising a decorated experts module
+
+_DECORATED_CODE = None
+
+
+def _decorated_forward_code():
+    """Code object of the forward that ``@use_experts_implementation`` installs (the same for every class)."""
+    global _DECORATED_CODE
+    if _DECORATED_CODE is None:
+        from transformers.integrations.moe import use_experts_implementation
+
+        class _Probe(nn.Module):
+            def forward(self, hidden_states, top_k_index, top_k_weights):  # pragma: no cover - never run
+                return hidden_states
+
+        _DECORATED_CODE = use_experts_implementation(_Probe).forward.__code__
+    return _DECORATED_CODE
+
+
+def interface_experts_dispatcher(module: nn.Module):
+    """The ``ExpertsInterface`` a decorated experts module dispatches through, or None if not decorated."""
+    forward = getattr(type(module), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is None or code is not _decorated_forward_code():
+        return None
+    cells = dict(zip(code.co_freevars, forward.__closure__ or ()))
+    cell = cells.get("experts_interface")
+    return cell.cell_contents if cell is not None else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the per-instance switch, and generate's decode-time swap
+
+
+class _ExpertsConfigView:
+    """What one fused experts module reads as ``self.config``: the model's config, except that
+    ``_experts_implementation`` says ``"mla_fuser"`` as long as the model's own choice is still the one it
+    had when the block was fused.
+
+    ``@use_experts_implementation`` picks the implementation at every call from
+    ``self.config._experts_implementation``; that config object is shared by every experts module of the model,
+    so setting it would switch blocks that were declined too.  The view switches this instance only, and a later
+    ``model.set_experts_implementation(...)`` still wins.  Every other attribute (and every write) goes to the
+    model's config.
+    """
+
+    def __init__(self, base):
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_fused_over", compat.experts_implementation(base))
+
+    def __getattr__(self, name):
+        if name in ("_base", "_fused_over") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._base, name, value)
+
+    @property
+    def _experts_implementation(self):
+        current = compat.experts_implementation(self._base)
+        if current == self._fused_over:
+            return IMPL_NAME
+        if current == "batched_mm" and self._fused_over == "grouped_mm" and id(self._base) in _DECODE_SWAP_KEPT.get():
+            return IMPL_NAME  # generate()'s own decode-time swap, not a choice of the user (see keep_fused_experts)
+        return current
+
+    def __repr__(self):
+        return f"_ExpertsConfigView({IMPL_NAME!r} over {self._fused_over!r} of {type(self._base).__name__})"
+
+
+# Configs (by id) whose ``grouped_mm`` -> ``batched_mm`` switch is Transformers' ``generate`` swapping implementations
+# for its decode steps (``_optimize_model_for_decode``) rather than a user's choice: fused experts stay fused there.
+_DECODE_SWAP_KEPT: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "mla_fuser_decode_swap", default=frozenset())
+
+
+@contextlib.contextmanager
+def keep_fused_experts(model: nn.Module):
+    """Within the block, ``generate``'s decode-time switch from ``grouped_mm`` to ``batched_mm`` leaves this model's
+    fused experts on the ``"mla_fuser"`` kernel (it would otherwise replace them with ``batched_mm`` for every
+    decode step).  A model whose user chose another implementation before the call keeps that choice."""
+    configs = {id(m.config._base) for m in model.modules()
+               if isinstance(getattr(m, "config", None), _ExpertsConfigView)
+               and compat.experts_implementation(m.config._base) == m.config._fused_over == "grouped_mm"}
+    token = _DECODE_SWAP_KEPT.set(_DECODE_SWAP_KEPT.get() | configs)
+    try:
+        yield
+    finally:
+        _DECODE_SWAP_KEPT.reset(token)
+
+
+def has_switched_experts(model: nn.Module) -> bool:
+    """Whether some experts module of ``model`` reads its implementation through the fuser's config view."""
+    return any(isinstance(getattr(m, "config", None), _ExpertsConfigView) for m in model.modules())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the registered implementation
+
+
+_ACTIVATION_ATTR = "_mla_fuser_activation"
+
+
+def _experts_activation(experts: nn.Module) -> str | None:
+    """The experts' activation by what it computes, remembered on the module itself (a plain attribute, which
+    torch.compile traces without guarding on a global cache)."""
+    act = getattr(experts, "act_fn", None)
+    cached = experts.__dict__.get(_ACTIVATION_ATTR)
+    if cached is None or cached[0] is not act:
+        cached = (act, activation_name(act) if act is not None else None)
+        object.__setattr__(experts, _ACTIVATION_ATTR, cached)
+    return cached[1]
+
+
+def _previous_implementation(experts: nn.Module):
+    """What runs when the kernel cannot: the implementation the model had chosen before fusion
+    (``grouped_mm``, Transformers' default, when "mla_fuser" was asked for directly)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    config = getattr(experts, "config", None)
+    name = config._fused_over if isinstance(config, _ExpertsConfigView) else None
+    if name in (None, IMPL_NAME):
+        name = "grouped_mm"
+    original = inspect.unwrap(type(experts).forward)
+    return ALL_EXPERTS_FUNCTIONS.get(name, original)
+
+
+def _kernel_supports(experts: nn.Module, hidden: torch.Tensor, weights: torch.Tensor) -> bool:
+    gate_up = getattr(experts, "gate_up_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dtype not in KERNEL_DTYPES or gate_up.device.type == "meta":
+        return False
+    if hidden.dtype not in KERNEL_DTYPES or hidden.device != gate_up.device:
+        return False
+    if (getattr(experts, "has_gate", True) is not True or getattr(experts, "has_post_expert_norm", False)
+            or getattr(experts, "_is_expert_parallel", False) or getattr(experts, "is_concatenated", True) is False
+            or getattr(type(experts), "_apply_gate", compat.default_apply_gate()) is not compat.default_apply_gate()):
+        return False
+    if torch.is_grad_enabled() and (hidden.requires_grad or weights.requires_grad or gate_up.requires_grad):
+        return False  # the kernel has no backward: training runs the previous implementation
+    return _experts_activation(experts) is not None
+
+
+def mla_fuser_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"mla_fuser"`` experts implementation: ``fused_experts`` on the module's 3-D weights.
+
+    Same contract as Transformers' ``grouped_mm``/``batched_mm`` implementations (the decorator's flags on the
+    instance give the layout; the default gate splits ``[gate; up]`` by halves).  What the kernel does not cover
+    (no gate, post-expert norm, custom or ambiguous gating, expert parallelism, gradients, float64) runs the
+    implementation chosen before.
+    """
+    from ...kernels.fused_moe import fused_experts
+
+    if not _kernel_supports(self, hidden_states, top_k_weights):
+        return _previous_implementation(self)(self, hidden_states, top_k_index, top_k_weights)
+    gate_up, down = self.gate_up_proj, self.down_proj
+    if getattr(self, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    bias = getattr(self, "has_bias", False)
+    return fused_experts(
+        hidden_states, gate_up, down, top_k_index, top_k_weights,
+        gate_up_bias=self.gate_up_proj_bias if bias else None, down_bias=self.down_proj_bias if bias else None,
+        activation=_experts_activation(self),
+    )
+
+
+def register_experts_implementation() -> None:
+    """Register ``"mla_fuser"`` in Transformers' ``ExpertsInterface`` (class-wide, every instance sees it)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPL_NAME, mla_fuser_experts_forward)
+
+
+register_experts_implementation()
+
+
+def apply_interface(module: nn.Module, match: MoEMatch) -> str:
+    """Switch this block's experts module (only it) to ``"mla_fuser"``; says how, or raises ``NoMatch``."""
+    experts = module.get_submodule(match.experts)
+    if isinstance(getattr(experts, "config", None), _ExpertsConfigView):
+        return f"experts_implementation {IMPL_NAME!r} (already)"
+    dispatcher = interface_experts_dispatcher(experts)
+    if dispatcher is None or IMPL_NAME not in dispatcher:
+        raise NoMatch("the experts dispatch through an interface without the 'mla_fuser' implementation")
+    dtype = experts.gate_up_proj.dtype
+    if dtype not in KERNEL_DTYPES:
+        raise NoMatch(f"experts weights are {dtype}: the kernel takes float16, bfloat16 or float32")
+    config = getattr(experts, "config", None)
+    if config is None:
+        raise NoMatch("the experts module has no config to select its implementation from")
+    if compat.experts_implementation(config) == IMPL_NAME:
+        return f"experts_implementation {IMPL_NAME!r} (selected by the model)"
+    experts.config = _ExpertsConfigView(config)
+    return f"experts module switched to experts_implementation {IMPL_NAME!r}"

@@ -1,0 +1,8 @@
+"""The runtime layer: every per-instance entry point mla-fuser adds to a fused model (today ``generate``), and the
+CUDA-graph replay of decode steps it uses.  Above the cache, the attention interfaces and the fusers; below
+``fusion`` (which calls :func:`extend_generate` once a model is fused)."""
+
+from .decode_graph import DecodeGraph
+from .generate import GraphedForward, extend_generate
+
+__all__ = ["DecodeGraph", "GraphedForward", "extend_generate"]
