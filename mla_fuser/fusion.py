@@ -14,7 +14,7 @@ from .fusers import MambaFuser, MoEFuser, NormFuser
 from .fusers.mla import MLAFuser, apply_mla
 from .graph import TRACE_LOCK, is_linear, rmsnorm_width
 from .plans import model_state, plan_of
-from .runtime import extend_generate
+from .runtime import extend_continuous_batching, extend_generate
 
 ATTENTION_NAME = attention_interfaces.ATTENTION_NAME
 SUPPORTED_TRANSFORMERS = compat.SUPPORTED
@@ -197,6 +197,7 @@ def _fuse(model: nn.Module) -> FusionReport:
     host = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     model_state(model).fused = model_state(host).fused = True
     report.notes.extend(extend_generate(host))
+    report.notes.extend(extend_continuous_batching(host))
     _attach(model, report)
     return report
 

@@ -34,6 +34,7 @@ class ModelState:
     fused: bool = False  # fuse() finished on this model (it is idempotent)
     paged_layers: tuple[int, ...] | None = None  # layer indices of the fused MLA modules, once fusion is done
     generate_extended: bool = False  # the runtime layer's generate is bound to this instance
+    continuous_batching_extended: bool = False  # ... and its init_continuous_batching
     graphed_steps: int = 0  # decode steps of the last generate() replayed through a CUDA graph (diagnostics)
     graph_captures: int = 0  # how often that generate() captured its step
 

@@ -33,6 +33,7 @@ from ..cache import PAGED_ATTR
 from ..plans import plan_of
 from ..graph import is_plain_linear
 from .paged import gathered_latent, paged_decode
+from .ragged import ragged_mla_attention
 from ..kernels.mla_attention import masked_softmax, mla_attention
 
 try:  # tensor parallelism shards parameters as DTensors
@@ -309,6 +310,30 @@ def padded_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out[..., :v_dim].transpose(1, 2).contiguous()
 
 
+def _ragged(module, query, kv_c, k_pe, scaling, dropout, softcap, extra, kwargs, fused):
+    """A ragged batch of continuous batching (``cu_seq_lens_q/k``, no mask): each request over its own context."""
+    if not fused:
+        raise NotImplementedError(
+            f"vllm_mla: {type(module).__name__} is not a fused MLA module and cannot attend a continuous-batching "
+            f"step (only fused MLA layers read latent pages)"
+        )
+    if extra.get("indices") is not None:
+        raise NotImplementedError("vllm_mla: DSA top-k selection (indices) under continuous batching is not supported")
+    cb_cache = kwargs.get("cache")
+    if cb_cache is not None:  # Transformers 5.19-5.23: the attention function writes the engine's cache itself
+        kv_c, k_pe = cb_cache.update(kv_c, k_pe, module.layer_idx, kwargs)  # (narrows cu_seq_lens_k in kwargs)
+    cu_k = kwargs["cu_seq_lens_k"]
+    if not isinstance(cu_k, torch.Tensor):
+        raise RuntimeError("vllm_mla: a continuous-batching step reached the attention without its layer's key bounds")
+    sinks, window = extra.get("s_aux"), extra.get("sliding_window")
+
+    def attend(q, c, p, mask):
+        return fused_mla_attention(module, q, c, p, mask, scaling, s_aux=sinks, sliding_window=window,
+                                   is_causal=True, dropout=dropout, softcap=softcap)
+
+    return ragged_mla_attention(attend, query, kv_c, k_pe, kwargs["cu_seq_lens_q"], cu_k)
+
+
 def _expanded_for_weights(module, query, kv_c, k_pe):
     """Per-head K/V of a fused module's call (its latent, or the paged cache's read back)."""
     plan = plan_of(module, "mla")
@@ -342,6 +367,9 @@ def vllm_mla_attention(module, query, key, value, attention_mask, dropout=0.0, s
     fused = plan_of(module, "mla") is not None
     if not fused and getattr(key, PAGED_ATTR, None) is not None:
         raise RuntimeError(f"vllm_mla: {type(module).__name__} is not fused but reads a paged latent cache")
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if attention_mask is None and cu_q is not None and cu_k is not None:
+        return _ragged(module, query, key, value, scaling, dropout, softcap, extra, kwargs, fused), None
     if kwargs.get("output_attentions"):
         # the weights are asked for: explicit scores over expanded K/V (the absorbed scores are the same
         # probabilities, but neither kernel materialises them)

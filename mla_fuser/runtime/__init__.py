@@ -2,7 +2,8 @@
 CUDA-graph replay of decode steps it uses.  Above the cache, the attention interfaces and the fusers; below
 ``fusion`` (which calls :func:`extend_generate` once a model is fused)."""
 
+from .continuous_batching import extend_continuous_batching
 from .decode_graph import DecodeGraph
 from .generate import GraphedForward, extend_generate
 
-__all__ = ["DecodeGraph", "GraphedForward", "extend_generate"]
+__all__ = ["DecodeGraph", "GraphedForward", "extend_continuous_batching", "extend_generate"]

@@ -1,0 +1,190 @@
+"""Serving a ragged workload: fused + Transformers' continuous batching vs fused and native static batches.
+
+A seeded synthetic ShareGPT-like workload: N requests, prompt lengths uniform in [32, 1024], output lengths uniform
+in [32, 512], all submitted at once, fixed lengths (per-request ``max_new_tokens``, EOS ignored).  In one run:
+* fused + CB (``init_continuous_batching``: the engine's scheduler over latent pages);
+* fused, length-sorted static batches through ``generate`` (each batch decodes as long as its longest request;
+  only each request's own tokens count);
+* native (sdpa) static batches, on a subset when ``--native-requests`` is smaller (the JSON says which).
+Output tokens/s, TTFT and TPOT p50/p99 (CB), peak GPU memory; JSON (+ PNG with ``--plot``).
+
+    python benchmarks/bench_serving.py --out benchmarks/results/serving.json          # H200: the issue's workload
+    python benchmarks/bench_serving.py --dry-run                                      # CPU: tiny preset, 12 requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mla_fuser.presets import build_preset  # noqa: E402
+
+
+def workload(n, seed, prompt_range, output_range, vocab):
+    gen = torch.Generator().manual_seed(seed)
+    prompts, outputs = [], []
+    for _ in range(n):
+        length = int(torch.randint(prompt_range[0], prompt_range[1] + 1, (1,), generator=gen))
+        prompts.append(torch.randint(3, vocab, (length,), generator=gen).tolist())
+        outputs.append(int(torch.randint(output_range[0], output_range[1] + 1, (1,), generator=gen)))
+    return prompts, outputs
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _pct(values, q):
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None):
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(max_memory_percent=max_memory_percent, num_blocks=num_blocks)
+    device = model.get_input_embeddings().weight.device
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
+    manager.start()
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        ids = {manager.add_request(p, max_new_tokens=n, record_timestamps=True): n for p, n in zip(prompts, outputs)}
+        results, deadline = {}, time.monotonic() + 3600
+        while len(results) < len(ids) and time.monotonic() < deadline:
+            result = manager.get_result(timeout=1.0)
+            if result is not None:
+                results[result.request_id] = result
+        _sync(device)
+        wall = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=60)
+    failed = [r for r in results.values() if r.error]
+    tokens = sum(len(r.generated_tokens) for r in results.values() if not r.error)
+    ttft, tpot = [], []
+    for r in results.values():
+        stamps = r.timestamps or []
+        if stamps:
+            ttft.append(stamps[0] - r.created_time)
+            if len(stamps) > 1:
+                tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    return {
+        "requests": len(ids), "finished": len(results), "failed": len(failed),
+        "wrong_lengths": sum(len(r.generated_tokens) != ids[k] for k, r in results.items() if not r.error),
+        "output_tokens": tokens, "wall_s": wall, "output_tok_per_s": tokens / wall,
+        "ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
+        "tpot_ms": {"p50": _pct([t * 1e3 for t in tpot], 50), "p99": _pct([t * 1e3 for t in tpot], 99)},
+        "num_blocks": manager.continuous_batching_config.num_blocks,
+        "page_size": manager.continuous_batching_config.page_size,
+    }
+
+
+@torch.no_grad()
+def run_static(model, prompts, outputs, batch):
+    """Length-sorted static batches, left-padded; only each request's own output tokens count."""
+    device = model.get_input_embeddings().weight.device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    useful = 0
+    _sync(device)
+    start = time.perf_counter()
+    for b in range(0, len(order), batch):
+        rows = order[b:b + batch]
+        longest = max(len(prompts[i]) for i in rows)
+        ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        mask = torch.zeros(len(rows), longest, dtype=torch.long)
+        for r, i in enumerate(rows):
+            ids[r, longest - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, longest - len(prompts[i]):] = 1
+        new = max(outputs[i] for i in rows)
+        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=0)
+        useful += sum(outputs[i] for i in rows)
+    _sync(device)
+    wall = time.perf_counter() - start
+    return {"requests": len(prompts), "batch": batch, "output_tokens": useful, "wall_s": wall,
+            "output_tok_per_s": useful / wall}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="deepseek-v2-lite")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--prompt-range", type=int, nargs=2, default=[32, 1024])
+    p.add_argument("--output-range", type=int, nargs=2, default=[32, 512])
+    p.add_argument("--static-batch", type=int, default=64)
+    p.add_argument("--static-requests", type=int, default=None, help="subset for fused static batches (default all)")
+    p.add_argument("--native-requests", type=int, default=64, help="subset for native static batches (0: skip)")
+    p.add_argument("--native-batch", type=int, default=32)
+    p.add_argument("--max-memory-percent", type=float, default=0.8)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--dry-run", action="store_true", help="tiny preset on CPU, a dozen short requests")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.preset, args.device, args.dtype = "deepseek-v2-lite-tiny", "cpu", "fp32"
+        args.requests, args.prompt_range, args.output_range = 12, [4, 40], [2, 12]
+        args.static_batch, args.native_requests, args.native_batch, args.num_blocks = 4, 4, 4, 64
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    fused = build_preset(args.preset, dtype=dtype, device=args.device)
+    device = fused.get_input_embeddings().weight.device
+    vocab = fused.get_input_embeddings().weight.shape[0]
+    prompts, outputs = workload(args.requests, args.seed, args.prompt_range, args.output_range, vocab)
+    result = {"preset": args.preset, "dtype": args.dtype, "device": str(device), "requests": args.requests,
+              "prompt_range": args.prompt_range, "output_range": args.output_range}
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    import transformers
+
+    result["transformers"], result["torch"] = transformers.__version__, torch.__version__
+    result["fused_cb"] = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks)
+    if device.type == "cuda":
+        result["fused_cb"]["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        result["fused_cb"]["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    print(json.dumps(result["fused_cb"]), flush=True)
+    n_static = args.static_requests or args.requests
+    result["fused_static"] = run_static(fused, prompts[:n_static], outputs[:n_static], args.static_batch)
+    print(json.dumps(result["fused_static"]), flush=True)
+    if args.native_requests:
+        del fused
+        native = build_preset(args.preset, dtype=dtype, device=args.device, attn_implementation="sdpa", fuse=False)
+        n = args.native_requests
+        result["native_static"] = run_static(native, prompts[:n], outputs[:n], args.native_batch)
+        result["native_static"]["subset_of_workload"] = n < args.requests
+        print(json.dumps(result["native_static"]), flush=True)
+    result["cb_over_fused_static"] = result["fused_cb"]["output_tok_per_s"] / result["fused_static"]["output_tok_per_s"]
+    text = json.dumps(result, indent=2)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    print(text)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = [k for k in ("fused_cb", "fused_static", "native_static") if k in result]
+        plt.bar(names, [result[k]["output_tok_per_s"] for k in names])
+        plt.ylabel("output tokens/s")
+        plt.title(f"{args.preset}, {args.requests} requests")
+        plt.savefig(args.plot, dpi=120, bbox_inches="tight")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Fused MLA attention over a ragged batch: Transformers' continuous batching (CB) packs every request of a step,
+prefill chunks and single decode tokens alike, into one row (``query [1, H, Tq, qk]``), hands the latent of all
+their contexts the same way (``kv_c [1, 1, Tk, rank]``, ``k_pe [1, 1, Tk, rope]``, read back from its pages) and
+says where each request starts in ``cu_seq_lens_q`` / ``cu_seq_lens_k``.
+
+Each request attends only its own context, causally aligned to the context's end (its new tokens are the last
+ones).  The requests are computed as what they are:
+* the **decode tokens** of all requests together, as one batch of single-token queries over their contexts (right-
+  padded to the longest, the padding masked out): absorbed attention, the latent read once, no per-head K/V;
+* each **prefill chunk** on its own, attending its own context only: K/V expanded for that context (compute-bound),
+  never for the whole step, and no mask wider than the chunk's own ``[q, k]`` is built.
+Both go through ``vllm_mla.fused_mla_attention``, so adapters, sinks and the exact fallbacks behave as elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_STEP_MEMO: dict = {}  # what every layer of one step shares, computed once per step (see ``_memo``)
+
+
+def _memo(key, make):
+    """``make()`` once per ``key``; only the newest few keys are kept (one step's), so nothing goes stale."""
+    value = _STEP_MEMO.get(key)
+    if value is None:
+        if len(_STEP_MEMO) >= 8:
+            _STEP_MEMO.clear()
+        value = _STEP_MEMO[key] = make()
+    return value
+
+
+def host_bounds(cu: torch.Tensor) -> list[int]:
+    """``cu`` as a host list, copied once per change of the tensor: the engine updates its input buffers in place
+    (which bumps their version) and every layer of a step reads the same tensors, so one device sync per step."""
+    return _memo(("bounds", id(cu), cu._version, cu.data_ptr()), lambda: [int(v) for v in cu.tolist()])
+
+
+def ragged_mla_attention(attend, query, kv_c, k_pe, cu_q: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
+    """``[1, Tq, H, v]``: each request's queries over its own context.  ``attend(query, kv_c, k_pe, mask)`` is the
+    fused attention of one ordinary batch (``vllm_mla.fused_mla_attention`` bound to the module)."""
+    q_bounds, k_bounds = host_bounds(cu_q), host_bounds(cu_k)
+    requests = len(q_bounds) - 1
+    if len(k_bounds) != requests + 1:
+        raise RuntimeError(f"vllm_mla: {requests} query ranges but {len(k_bounds) - 1} key ranges in a ragged batch")
+    if q_bounds[-1] != query.shape[2] or k_bounds[-1] > kv_c.shape[2]:
+        raise RuntimeError(
+            f"vllm_mla: ragged bounds (queries {q_bounds[-1]}, keys {k_bounds[-1]}) do not fit the query "
+            f"({query.shape[2]}) and latent ({kv_c.shape[2]}) of the step"
+        )
+    pieces: list[tuple[int, torch.Tensor]] = []
+    decodes = [i for i in range(requests) if q_bounds[i + 1] - q_bounds[i] == 1]
+    if decodes:
+        pieces.extend(zip((q_bounds[i] for i in decodes), _decode_batch(attend, query, kv_c, k_pe, decodes,
+                                                                         q_bounds, k_bounds).unbind(0)))
+    for i in range(requests):
+        q0, q1, k0, k1 = q_bounds[i], q_bounds[i + 1], k_bounds[i], k_bounds[i + 1]
+        if q1 - q0 <= 1:
+            continue  # (decodes done above; an empty range has nothing to compute)
+        if k1 - k0 < q1 - q0:
+            raise RuntimeError(f"vllm_mla: request {i} has {q1 - q0} new tokens but a context of {k1 - k0}")
+        mask = None
+        if k1 - k0 > q1 - q0:  # a chunk after cached tokens: causal from the context's end (bottom-right)
+            q_pos = torch.arange(k1 - k0 - (q1 - q0), k1 - k0, device=query.device).view(-1, 1)
+            mask = (torch.arange(k1 - k0, device=query.device).view(1, -1) <= q_pos).view(1, 1, q1 - q0, k1 - k0)
+        chunk = attend(query[:, :, q0:q1], kv_c[:, :, k0:k1], k_pe[:, :, k0:k1], mask)
+        pieces.append((q0, chunk[0]))
+    width = pieces[0][1].shape[-1]
+    out = query.new_empty(1, query.shape[2], query.shape[1], width)
+    for start, piece in pieces:
+        out[0, start:start + piece.shape[0]] = piece.to(out.dtype)
+    return out
+
+
+def _decode_batch(attend, query, kv_c, k_pe, decodes, q_bounds, k_bounds) -> torch.Tensor:
+    """``[D, 1, H, v]``: the single-token queries of ``decodes`` as one batch over their contexts, right-padded to the
+    longest (the padding is masked; a query sees every key of its own context)."""
+    index, allowed, rows = _memo(("decode", id(q_bounds), id(k_bounds), query.device),
+                                 lambda: _decode_indices(decodes, q_bounds, k_bounds, query.device))
+    queries = query[0, :, rows].transpose(0, 1).unsqueeze(2)  # [D, H, 1, qk]
+    return attend(queries, kv_c[0, 0][index].unsqueeze(1), k_pe[0, 0][index].unsqueeze(1), allowed)
+
+
+def _decode_indices(decodes, q_bounds, k_bounds, device):
+    """``(index [D, L], allowed [D, 1, 1, L], rows [D])``: where each decode request's keys and query are."""
+    lengths = [k_bounds[i + 1] - k_bounds[i] for i in decodes]
+    longest = max(lengths)
+    starts = torch.tensor([k_bounds[i] for i in decodes], device=device).view(-1, 1)
+    lens = torch.tensor(lengths, device=device).view(-1, 1)
+    offsets = torch.arange(longest, device=device).view(1, -1)
+    index = starts + torch.minimum(offsets, (lens - 1).clamp(min=0))  # padding repeats the last key
+    allowed = (offsets < lens).view(len(decodes), 1, 1, longest)
+    return index, allowed, torch.tensor([q_bounds[i] for i in decodes], device=device)

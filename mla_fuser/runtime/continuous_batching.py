@@ -1,0 +1,200 @@
+"""Transformers' continuous batching (CB) for fused MLA models: ``generate_batch``, ``init_continuous_batching``
+(``ContinuousBatchingManager``: ``add_request``, ``get_result``, ``request_id_iter``, ``cancel_request``, ``stop``)
+and ``continuous_batching_context_manager``, through Transformers' own engine (scheduler, request states, prefix
+sharing, forks, offloading, ``ContinuousBatchingConfig``).
+
+What changes, and how, without patching Transformers' classes:
+* **Latent rows in CB's pool.**  CB stores per token and layer one K row and one V row of equal width
+  (``num_key_value_heads x head_dim`` each).  Its cache is sized from a view of the config with one KV head and
+  ``head_dim = ceil((kv_lora_rank + rope) / 2)``, so a token's K row plus V row is exactly one latent row
+  ``[kv_c | k_pe]``: no expanded K/V is ever stored, and every block-level feature stays CB's own.  The engine's
+  cache instance becomes a :class:`LatentPagedAttentionCache` (our subclass), whose ``update`` takes and returns
+  the latent, split into the two half rows on the way in and joined on the way out.
+* **The attention.**  ``vllm_mla`` serves CB steps itself (``attention_interfaces.ragged``); the manager keeps it
+  instead of switching the model to a CB-friendly name, and turns off the paths that need CB's own kernels
+  (flash block-table decode, its CUDA graphs).
+* **One entry point per instance.**  :func:`extend_continuous_batching` binds ``init_continuous_batching`` to the
+  fused model (``generate_batch`` and the context manager call it), returning a :class:`LatentContinuousBatching
+  Manager`.
+
+Supported from Transformers 5.19 (the engine's cache API ``update(key, value, layer_idx, kwargs)``); older releases
+get a clear error.  Every attention layer must be a fused MLA layer: anything else is refused naming the layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import types
+
+import torch
+
+from ..compat import ATTENTION_NAME, attention_implementation
+from ..plans import model_state, plan_of
+
+MIN_VERSION = (5, 19)
+_CONFIG_LOCK = threading.Lock()
+
+
+def _cb():
+    """Transformers' continuous-batching classes (imported on use: a light import for models that never serve)."""
+    from transformers import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    return ContinuousBatchingConfig, PagedAttentionCache, ContinuousBatchingManager
+
+
+def latent_layout(model) -> tuple[int, int]:
+    """``(kv_lora_rank, rope)`` shared by the fused MLA layers of ``model``.  CB gives every decoder layer a page of
+    one row shape, so every layer's attention must be a fused MLA module of one layout: otherwise a clear error
+    naming the layers that are not (hybrid models, fallbacks)."""
+    from ..cache import paged_layer_indices
+
+    layouts = {(p.match.kv_lora_rank, p.match.qk_rope_head_dim) for p in
+               (plan_of(m, "mla") for m in model.modules()) if p is not None}
+    layers = model.config.get_text_config().num_hidden_layers
+    missing = sorted(set(range(layers)) - set(paged_layer_indices(model)))
+    if missing:
+        report = getattr(model, "fusion_report", None)
+        rows = [f"{r.qualname} ({r.reason})" for r in report.fallbacks("mla")][:3] if report is not None else []
+        raise ValueError(
+            f"continuous batching of a fused model needs every decoder layer's attention to be a fused MLA layer (CB "
+            f"pages hold one latent row per token); layers {missing} are not" + (f": {'; '.join(rows)}" if rows else "")
+        )
+    if len(layouts) != 1:
+        raise ValueError(f"continuous batching needs one latent layout for all fused MLA layers, found {layouts}")
+    return layouts.pop()
+
+
+@contextlib.contextmanager
+def latent_rows(config, width: int):
+    """Within the block ``config`` says one KV head of ``ceil(width / 2)`` values, so the engine sizes K plus V rows
+    as one latent row.  The engine reads these two numbers while it builds its cache and resolves its config; the
+    values are put back on exit (under a lock: one manager builds at a time)."""
+    names = ("num_key_value_heads", "head_dim")
+    with _CONFIG_LOCK:
+        saved = {n: config.__dict__[n] for n in names if n in config.__dict__}
+        missing = [n for n in names if n not in config.__dict__]
+        config.num_key_value_heads, config.head_dim = 1, math.ceil(width / 2)
+        try:
+            yield
+        finally:
+            for n in missing:
+                config.__dict__.pop(n, None)
+            for n, v in saved.items():
+                config.__dict__[n] = v
+
+
+def latent_cache_class():
+    _, PagedAttentionCache, _ = _cb()
+
+    class LatentPagedAttentionCache(PagedAttentionCache):
+        """CB's paged cache holding one latent row per token and layer: the K half row and the V half row of a token
+        are the two halves of ``[kv_c | k_pe]``.  ``update`` takes the latent (``kv_c [1, 1, T, rank]``, ``k_pe
+        [1, 1, T, rope]``) and returns that of every request's whole context, read back through the engine's own
+        indices."""
+
+        rank: int
+        rope: int
+
+        def update(self, key_states, value_states, layer_idx, kwargs):
+            if kwargs.get("block_table") is not None:
+                raise RuntimeError("latent pages cannot take CB's block-table (flash) decode path")
+            half = math.ceil((self.rank + self.rope) / 2)
+            row = torch.cat([key_states, value_states.to(key_states.dtype)], dim=-1)
+            row = torch.nn.functional.pad(row, (0, 2 * half - row.shape[-1]))
+            k_half, v_half = (t.contiguous() for t in row.split(half, dim=-1))
+            k_half, v_half = super().update(k_half, v_half, layer_idx, kwargs)
+            latent = torch.cat([k_half, v_half], dim=-1)
+            return latent[..., : self.rank], latent[..., self.rank: self.rank + self.rope]
+
+    return LatentPagedAttentionCache
+
+
+def manager_class():
+    _, _, ContinuousBatchingManager = _cb()
+    latent_cache = latent_cache_class()
+
+    class LatentContinuousBatchingManager(ContinuousBatchingManager):
+        """Transformers' manager over latent pages, attending with ``vllm_mla`` (see the module docstring)."""
+
+        def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None):
+            self.latent = latent_layout(model)
+            config = continuous_batching_config
+            # CB's flash block-table decode and its CUDA graphs run CB's own kernels, not ours
+            config.max_blocks_per_request, config.use_cuda_graph = 0, False
+            with latent_rows(model.config.get_text_config(), sum(self.latent)):
+                super().__init__(model, generation_config, config, workload_hints)
+            self.continuous_batching_config.max_blocks_per_request = 0
+
+        def add_request(self, input_ids, request_id=None, *args, **kwargs):
+            """As the engine's, except that an empty prompt fails alone, at once, with a clear error (the engine
+            would run it with nothing to attend)."""
+            if len(input_ids) or not self.is_tp_driver:
+                return super().add_request(input_ids, request_id, *args, **kwargs)
+            from transformers.generation.continuous_batching.requests import RequestState
+
+            if request_id is None:
+                with self._request_lock:
+                    request_id = f"req_{self._request_counter}"
+                    self._request_counter += 1
+            self.output_router.fail_and_deliver(RequestState(request_id=request_id, initial_tokens=[]),
+                                                ValueError("empty prompt: a request needs at least one token"))
+            return request_id
+
+        def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash=True):
+            if attention_implementation(model) == ATTENTION_NAME:
+                return  # vllm_mla serves continuous-batching steps itself (attention_interfaces.ragged)
+            super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
+
+        def _create_batch_processor(self):
+            with latent_rows(self.model.config.get_text_config(), sum(self.latent)):
+                processor = super()._create_batch_processor()
+            cache = processor.cache
+            if not isinstance(cache, latent_cache):
+                # the engine builds its cache by name; the instance becomes ours (same state, latent-aware update)
+                cache.__class__ = latent_cache
+            cache.rank, cache.rope = self.latent
+            return processor
+
+    return LatentContinuousBatchingManager
+
+
+def extend_continuous_batching(model) -> list[str]:
+    """Bind ``init_continuous_batching`` to a fused MLA ``model`` (once); report notes.  On a Transformers release
+    without the engine API we need, the bound method raises a clear error instead of the engine's crash."""
+    from ..compat import transformers_version
+
+    state = model_state(model)
+    if state.continuous_batching_extended or not hasattr(model, "init_continuous_batching"):
+        return []
+    if not any(plan_of(m, "mla") is not None for m in model.modules()):
+        return []  # Mamba/MoE-only fused models keep whatever Transformers' CB does for them
+    supported = transformers_version() >= MIN_VERSION
+
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
+                                 workload_hints=None):
+        if not supported:
+            import transformers
+
+            raise NotImplementedError(
+                f"continuous batching of fused MLA models needs transformers>={'.'.join(map(str, MIN_VERSION))} "
+                f"(installed: {transformers.__version__})"
+            )
+        ContinuousBatchingConfig, _, ContinuousBatchingManager = _cb()
+        cached = getattr(self, "_cached_continuous_batching_manager", None)
+        if isinstance(cached, ContinuousBatchingManager):  # a persistent manager (ours) is reused by the class
+            return type(self).init_continuous_batching(self, generation_config, continuous_batching_config,
+                                                       workload_hints)
+        generation_config = generation_config if generation_config is not None else self.generation_config
+        if generation_config.eos_token_id is None:
+            generation_config.eos_token_id = -1  # (as the class does: no EOS, stop at max_new_tokens)
+        continuous_batching_config = continuous_batching_config or ContinuousBatchingConfig()
+        return manager_class()(self, generation_config, continuous_batching_config, workload_hints)
+
+    model.init_continuous_batching = types.MethodType(init_continuous_batching, model)
+    state.continuous_batching_extended = True
+    return ["init_continuous_batching() / generate_batch() serve this model over latent pages"
+            + ("" if supported else " (needs transformers>=5.19: refused with a clear error here)")]

@@ -1,0 +1,220 @@
+"""Transformers' continuous batching (``generate_batch``, ``init_continuous_batching``) on fused MLA models: every
+request's tokens equal a one-request native ``generate`` of the same prompt, steps mixing prefill chunks and decode
+tokens of many requests over latent pages in the engine's own pool."""
+
+import time
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import mla_fuser
+from mla_fuser import compat
+from mla_fuser.runtime.continuous_batching import MIN_VERSION
+
+from conftest import tiny_deepseek
+
+SUPPORTED = compat.transformers_version() >= MIN_VERSION
+needs_cb = pytest.mark.skipif(not SUPPORTED, reason=f"continuous batching of fused MLA needs transformers>={MIN_VERSION}")
+
+
+def _cb_config(**kw):
+    from transformers import ContinuousBatchingConfig
+
+    kw.setdefault("page_size", 16)
+    kw.setdefault("num_blocks", 64)
+    return ContinuousBatchingConfig(**kw)
+
+
+def _greedy(new_tokens=6, **kw):
+    return GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0, **kw)
+
+
+def _prompts(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _native_tokens(native, prompt, config):
+    with torch.no_grad():
+        return native.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
+
+
+def _pair(arch="deepseek_v2", **kw):
+    native = tiny_deepseek(arch, **kw)
+    fused = tiny_deepseek(arch, attn="vllm_mla", **kw)
+    mla_fuser.fuse(fused)
+    return native, fused
+
+
+def _check_batch(native, fused, prompts, config, cb_config):
+    out = fused.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config,
+                               progress_bar=False)
+    assert len(out) == len(prompts)
+    for i, prompt in enumerate(prompts):
+        result = out[f"req_{i}"]
+        assert result.error is None, result.error
+        assert result.generated_tokens == _native_tokens(native, prompt, config), f"request {i} (prompt {len(prompt)})"
+    return out
+
+
+@needs_cb
+@pytest.mark.parametrize("arch,q_lora_rank", [("deepseek_v2", 24), ("deepseek_v2", None), ("deepseek_v3", 24)])
+def test_generate_batch_equals_native_per_request(arch, q_lora_rank):
+    native, fused = _pair(arch, q_lora_rank=q_lora_rank)
+    _check_batch(native, fused, _prompts([1, 3, 17, 40, 5, 63, 2]), _greedy(6), _cb_config())
+
+
+@needs_cb
+def test_a_pool_smaller_than_the_workload_queues_requests_and_all_finish():
+    """4 blocks of 16 tokens per layer; 8 requests of up to 40 tokens each fit alone, several times the pool
+    together: the scheduler queues them, none fails, every answer equals native."""
+    native, fused = _pair()
+    _check_batch(native, fused, _prompts([30, 12, 25, 40, 8, 33, 20, 16], seed=1), _greedy(8),
+                 _cb_config(num_blocks=4, allow_block_sharing=False))
+
+
+@needs_cb
+def test_prefix_sharing_and_forks_give_the_same_tokens():
+    native, fused = _pair()
+    shared = _prompts([40], seed=2)[0]
+    prompts = [shared + tail for tail in _prompts([3, 5, 1], seed=3)]
+    _check_batch(native, fused, prompts, _greedy(5), _cb_config(allow_block_sharing=True))
+    # forks need sampling; top_k=1 samples the argmax, so both children of a prompt are native's greedy answer
+    forked = GenerationConfig(max_new_tokens=5, do_sample=True, top_k=1, num_return_sequences=2, eos_token_id=-1,
+                              pad_token_id=0)
+    forks = fused.generate_batch(prompts[:2], generation_config=forked, continuous_batching_config=_cb_config(),
+                                 progress_bar=False)
+    assert len(forks) == 4 and all(r.error is None for r in forks.values())
+    expected = {tuple(_native_tokens(native, p, _greedy(5))) for p in prompts[:2]}
+    assert {tuple(r.generated_tokens) for r in forks.values()} == expected
+
+
+@needs_cb
+def test_the_manager_api_with_per_request_lengths_and_a_cancellation():
+    native, fused = _pair()
+    prompts = _prompts([9, 21, 4, 30], seed=4)
+    lengths = [3, 7, 5, 6]
+    # (no prefix sharing: finished requests' full blocks would otherwise stay cached for reuse)
+    manager = fused.init_continuous_batching(generation_config=_greedy(8),
+                                             continuous_batching_config=_cb_config(allow_block_sharing=False))
+    manager.start()
+    try:
+        ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
+        doomed = manager.add_request(_prompts([50], seed=5)[0], max_new_tokens=64)
+        manager.cancel_request(doomed)
+        results = {}
+        for _ in range(200):
+            if all(i in results for i in ids):
+                break
+            result = manager.get_result(timeout=0.5)
+            if result is not None and result.request_id in ids:
+                results[result.request_id] = result
+        for request_id, prompt, n in zip(ids, prompts, lengths):
+            assert results[request_id].generated_tokens == _native_tokens(native, prompt, _greedy(n))
+        cache = manager.batch_processor.cache
+        for _ in range(100):  # the cancelled request's pages come back too (the loop handles cancels between steps)
+            if cache.compute_free_capacity(relative=True) == 1:
+                break
+            time.sleep(0.05)
+        assert cache.compute_free_capacity(relative=True) == 1
+    finally:
+        manager.stop(block=True, timeout=30)
+
+
+@needs_cb
+def test_trl_call_shape_on_a_peft_policy_and_after_an_optimizer_step():
+    """TRL's GRPO: ``generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
+    ContinuousBatchingConfig(max_memory_percent=0.5), progress_bar=False)`` on a LoRA policy (adapters on the
+    attention projections), generation between optimizer steps."""
+    peft = pytest.importorskip("peft")
+    from transformers import ContinuousBatchingConfig
+
+    def policy(attn):
+        torch.manual_seed(7)
+        model = peft.get_peft_model(tiny_deepseek(attn=attn), peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+            target_modules=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]))
+        return model
+
+    native, fused = policy("sdpa"), policy("vllm_mla")
+    mla_fuser.fuse(fused)
+    prompts = _prompts([6, 11, 3], seed=6)
+    config = _greedy(5)
+
+    def check():
+        out = fused.generate_batch(prompts, generation_config=config,
+                                   continuous_batching_config=ContinuousBatchingConfig(max_memory_percent=0.5),
+                                   progress_bar=False)
+        for i, p in enumerate(prompts):
+            assert out[f"req_{i}"].error is None
+            assert out[f"req_{i}"].generated_tokens == _native_tokens(native, p, config)
+
+    check()
+    for model in (native, fused):  # the same "optimizer step" on both adapters
+        torch.manual_seed(8)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.add_(0.3 * torch.randn_like(param))
+    check()
+
+
+@needs_cb
+def test_a_bad_request_fails_alone_with_a_clear_error():
+    native, fused = _pair()
+    good = _prompts([7, 12], seed=9)
+    manager = fused.init_continuous_batching(generation_config=_greedy(4),
+                                             continuous_batching_config=_cb_config(num_blocks=4))
+    manager.start()
+    try:
+        ids = [manager.add_request(p) for p in good]
+        too_long = manager.add_request(list(range(3, 3 + 16 * 4 + 5)))  # more than the whole pool ever holds
+        results = {}
+        for _ in range(200):
+            if len(results) == 3:
+                break
+            result = manager.get_result(timeout=0.5)
+            if result is not None:
+                results[result.request_id] = result
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert results[too_long].error, "the oversized request must fail"
+    for request_id, prompt in zip(ids, good):
+        assert results[request_id].error is None
+        assert results[request_id].generated_tokens == _native_tokens(native, prompt, _greedy(4))
+    out = fused.generate_batch([[], good[0]], generation_config=_greedy(4), continuous_batching_config=_cb_config(),
+                               progress_bar=False)
+    assert out["req_0"].error, "an empty prompt must fail"
+    assert out["req_1"].error is None and out["req_1"].generated_tokens == _native_tokens(native, good[0], _greedy(4))
+    print("empty prompt:", out["req_0"].error, "| too long:", results[too_long].error)
+
+
+@needs_cb
+def test_a_model_with_unfused_attention_layers_is_refused_naming_them(monkeypatch):
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
+    model = tiny_deepseek(attn="vllm_mla")
+    report = mla_fuser.fuse(model)
+    assert not report.fused("mla")
+    # nothing fused as MLA: Transformers' own continuous batching stands (it refuses vllm_mla itself)
+    assert "init_continuous_batching" not in model.__dict__
+    monkeypatch.delenv("VLLM_MLA_DISABLE")
+    from mla_fuser.runtime.continuous_batching import latent_layout
+
+    fused = tiny_deepseek(attn="vllm_mla")
+    mla_fuser.fuse(fused)
+    from mla_fuser.plans import clear_plan
+
+    clear_plan(fused.model.layers[1].self_attn, "mla")
+    from mla_fuser.plans import model_state
+
+    model_state(fused).paged_layers = None
+    with pytest.raises(ValueError, match=r"layers \[1\] are not"):
+        latent_layout(fused)
+
+
+@pytest.mark.skipif(SUPPORTED, reason="the refusal is for releases before the engine API we use")
+def test_older_transformers_refuse_clearly():
+    _, fused = _pair()
+    with pytest.raises(NotImplementedError, match="needs transformers>=5.19"):
+        fused.init_continuous_batching(generation_config=_greedy(2))
