@@ -218,3 +218,20 @@ def test_older_transformers_refuse_clearly():
     _, fused = _pair()
     with pytest.raises(NotImplementedError, match="needs transformers>=5.19"):
         fused.init_continuous_batching(generation_config=_greedy(2))
+
+
+@needs_cb
+def test_decode_tokens_through_the_triton_decode_kernel(monkeypatch):
+    """The decode tokens of a step go through the paged ``mla_decode`` kernel with the step's latent rows as pages of
+    one token (Triton's interpreter here)."""
+    pytest.importorskip("triton")
+    from mla_fuser.kernels import mla_decode as md
+
+    native, fused = _pair()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+    launches = []
+    real = md.mla_decode_triton
+    monkeypatch.setattr(md, "mla_decode_triton", lambda *a, **k: launches.append(a[1].shape[1]) or real(*a, **k))
+    _check_batch(native, fused, _prompts([3, 9, 5], seed=11), _greedy(3), _cb_config())
+    assert 1 in launches  # pages of one token: the ragged decode path, not only the engine-free ones

@@ -35,9 +35,12 @@ def host_bounds(cu: torch.Tensor) -> list[int]:
     return _memo(("bounds", id(cu), cu._version, cu.data_ptr()), lambda: [int(v) for v in cu.tolist()])
 
 
-def ragged_mla_attention(attend, query, kv_c, k_pe, cu_q: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
+def ragged_mla_attention(attend, query, kv_c, k_pe, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                         decode=None) -> torch.Tensor:
     """``[1, Tq, H, v]``: each request's queries over its own context.  ``attend(query, kv_c, k_pe, mask)`` is the
-    fused attention of one ordinary batch (``vllm_mla.fused_mla_attention`` bound to the module)."""
+    fused attention of one ordinary batch (``vllm_mla.fused_mla_attention`` bound to the module).  ``decode(queries,
+    pages, block_table, seq_lens)``, when given, runs the single-token queries with the paged decode kernel over the
+    step's latent rows as pages of one token (no padded copy of the contexts)."""
     q_bounds, k_bounds = host_bounds(cu_q), host_bounds(cu_k)
     requests = len(q_bounds) - 1
     if len(k_bounds) != requests + 1:
@@ -50,8 +53,9 @@ def ragged_mla_attention(attend, query, kv_c, k_pe, cu_q: torch.Tensor, cu_k: to
     pieces: list[tuple[int, torch.Tensor]] = []
     decodes = [i for i in range(requests) if q_bounds[i + 1] - q_bounds[i] == 1]
     if decodes:
-        pieces.extend(zip((q_bounds[i] for i in decodes), _decode_batch(attend, query, kv_c, k_pe, decodes,
-                                                                         q_bounds, k_bounds).unbind(0)))
+        batch = (_decode_batch(attend, query, kv_c, k_pe, decodes, q_bounds, k_bounds) if decode is None else
+                 _decode_kernel(decode, query, kv_c, k_pe, decodes, q_bounds, k_bounds))
+        pieces.extend(zip((q_bounds[i] for i in decodes), batch.unbind(0)))
     for i in range(requests):
         q0, q1, k0, k1 = q_bounds[i], q_bounds[i + 1], k_bounds[i], k_bounds[i + 1]
         if q1 - q0 <= 1:
@@ -90,3 +94,27 @@ def _decode_indices(decodes, q_bounds, k_bounds, device):
     index = starts + torch.minimum(offsets, (lens - 1).clamp(min=0))  # padding repeats the last key
     allowed = (offsets < lens).view(len(decodes), 1, 1, longest)
     return index, allowed, torch.tensor([q_bounds[i] for i in decodes], device=device)
+
+
+def _decode_kernel(decode, query, kv_c, k_pe, decodes, q_bounds, k_bounds) -> torch.Tensor:
+    """``[D, 1, H, v]`` through ``decode``: the step's latent rows ``[Tk, 1, rank + rope]`` are the pages (one token
+    each) and each request's block table lists its own rows, so the kernel reads every context once, in place."""
+    rows = _latent_rows(kv_c, k_pe)
+    index, allowed, positions = _memo(("decode", id(q_bounds), id(k_bounds), query.device),
+                                      lambda: _decode_indices(decodes, q_bounds, k_bounds, query.device))
+    table, lens = _memo(("table", id(q_bounds), id(k_bounds), query.device),
+                        lambda: (index.to(torch.int32), allowed.view(len(decodes), -1).sum(-1).to(torch.int32)))
+    queries = query[0, :, positions].transpose(0, 1).unsqueeze(2)  # [D, H, 1, qk]
+    return decode(queries, rows, table, lens)
+
+
+def _latent_rows(kv_c, k_pe) -> torch.Tensor:
+    """``[Tk, 1, rank + rope]``: the latent rows ``[kv_c | k_pe]`` of the step, the tensor both are views of when
+    they are (as the latent pages' ``update`` returns them), else joined."""
+    c, p = kv_c[0, 0], k_pe[0, 0]
+    base = c._base if c._base is not None else None
+    if (base is not None and p._base is base and c.stride() == p.stride() and c.stride(-1) == 1
+            and p.data_ptr() == c.data_ptr() + c.shape[-1] * c.element_size()
+            and c.stride(0) == c.shape[-1] + p.shape[-1]):
+        return c.as_strided((c.shape[0], 1, c.stride(0)), (c.stride(0), c.stride(0), 1))
+    return torch.cat([c, p.to(c.dtype)], dim=-1).unsqueeze(1)

@@ -25,6 +25,7 @@ again (``kv_b_params``).
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 import torch.nn.functional as F
@@ -331,7 +332,20 @@ def _ragged(module, query, kv_c, k_pe, scaling, dropout, softcap, extra, kwargs,
         return fused_mla_attention(module, q, c, p, mask, scaling, s_aux=sinks, sliding_window=window,
                                    is_causal=True, dropout=dropout, softcap=softcap)
 
-    return ragged_mla_attention(attend, query, kv_c, k_pe, kwargs["cu_seq_lens_q"], cu_k)
+    plan = plan_of(module, "mla")
+    kv_b = plan.kv_b(module)
+    decode = None
+    if (is_plain_linear(kv_b) and sinks is None and window is None and softcap is None
+            and not (dropout and module.training)):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+
+        def decode(queries, pages, block_table, seq_lens):  # the paged decode kernel over the step's latent rows
+            rows = types.SimpleNamespace(pages=pages, block_table=block_table, seq_lens=seq_lens)
+            with kv_b_params(kv_b) as (weight, bias):
+                w_uk, w_uv, b_v = absorbed_weights(weight, bias, plan.match, queries.shape[1])
+                return paged_decode(queries, rows, scale, w_uk, w_uv, b_v, plan.match)
+
+    return ragged_mla_attention(attend, query, kv_c, k_pe, kwargs["cu_seq_lens_q"], cu_k, decode)
 
 
 def _expanded_for_weights(module, query, kv_c, k_pe):
