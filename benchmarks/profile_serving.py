@@ -1,0 +1,49 @@
+"""Where a continuous-batching run of a fused model spends its time: torch.profiler over a short serving run
+(the generation loop runs in the engine's thread; the profiler records every thread), tables by CUDA and CPU time.
+
+    python benchmarks/profile_serving.py --requests 192 --out profile_serving.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_serving import run_cb, workload  # noqa: E402
+from mla_fuser.presets import build_preset  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="deepseek-v2-lite")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--requests", type=int, default=192)
+    p.add_argument("--output-range", type=int, nargs=2, default=[32, 96])
+    p.add_argument("--out", default="profile_serving.txt")
+    args = p.parse_args(argv)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_preset(args.preset, dtype=dtype, device=args.device)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    prompts, outputs = workload(args.requests, 0, [32, 1024], args.output_range, vocab)
+    run_cb(model, prompts[:16], outputs[:16], 0.8)  # warm-up: kernels compiled, engine built once
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        summary = run_cb(model, prompts, outputs, 0.8)
+    table = prof.key_averages()
+    with open(args.out, "w") as fh:
+        fh.write(f"{summary}\n\n")
+        if args.device == "cuda":
+            fh.write(table.table(sort_by="cuda_time_total", row_limit=30) + "\n\n")
+        fh.write(table.table(sort_by="cpu_time_total", row_limit=40) + "\n")
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()
