@@ -26,6 +26,8 @@ FEATURE_MIN_VERSION = {
     "norm": (5, 17),
     # the mixers keep their states through Cache.get_conv_state / get_recurrent_state, first in 5.21
     "mamba": (5, 21),
+    # the continuous-batching engine's cache API update(key, value, layer_idx, kwargs), first in 5.19
+    "continuous batching": (5, 19),
 }
 MAMBA_CACHE_METHODS = ("get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state")
 

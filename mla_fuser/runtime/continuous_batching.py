@@ -30,10 +30,10 @@ import types
 
 import torch
 
-from ..compat import ATTENTION_NAME, attention_implementation
+from ..compat import ATTENTION_NAME, FEATURE_MIN_VERSION, attention_implementation
 from ..plans import model_state, plan_of
 
-MIN_VERSION = (5, 19)
+MIN_VERSION = FEATURE_MIN_VERSION["continuous batching"]
 _CONFIG_LOCK = threading.Lock()
 
 
