@@ -24,6 +24,7 @@ get a clear error.  Every attention layer must be a fused MLA layer: anything el
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import threading
 import types
@@ -122,7 +123,7 @@ def manager_class():
 
         def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None):
             self.latent = latent_layout(model)
-            config = continuous_batching_config
+            config = copy.copy(continuous_batching_config)  # (the caller's object stays as it was)
             # CB's flash block-table decode and its CUDA graphs run CB's own kernels, not ours
             config.max_blocks_per_request, config.use_cuda_graph = 0, False
             with latent_rows(model.config.get_text_config(), sum(self.latent)):
