@@ -66,6 +66,23 @@ def test_generate_batch_equals_native_per_request(arch, q_lora_rank):
 
 
 @needs_cb
+def test_chunked_prefill_beside_decodes_equals_native(monkeypatch):
+    """At most 16 tokens per step: long prompts arrive in chunks after their own cached tokens (causal from the
+    context's end), in steps that also hold other requests' chunks and decode tokens."""
+    from mla_fuser.attention_interfaces import ragged
+
+    native, fused = _pair()
+    seen = []
+    real = ragged._prefill_indices
+    monkeypatch.setattr(ragged, "_prefill_indices", lambda group, q, k, device: seen.append(
+        [(q[i + 1] - q[i], k[i + 1] - k[i]) for i in group]) or real(group, q, k, device))
+    _check_batch(native, fused, _prompts([37, 5, 50, 2, 21], seed=12), _greedy(5), _cb_config(max_batch_tokens=16))
+    chunks = [c for group in seen for c in group]
+    assert any(k > q > 1 for q, k in chunks), chunks  # a chunk after cached tokens of its own request
+    assert any(len(group) > 1 for group in seen), seen  # chunks of several requests batched together
+
+
+@needs_cb
 def test_a_pool_smaller_than_the_workload_queues_requests_and_all_finish():
     """4 blocks of 16 tokens per layer; 8 requests of up to 40 tokens each fit alone, several times the pool
     together: the scheduler queues them, none fails, every answer equals native."""

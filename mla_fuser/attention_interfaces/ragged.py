@@ -23,7 +23,7 @@ def _memo(key, make):
     """``make()`` once per ``key``; only the newest few keys are kept (one step's), so nothing goes stale."""
     value = _STEP_MEMO.get(key)
     if value is None:
-        if len(_STEP_MEMO) >= 8:
+        if len(_STEP_MEMO) >= 64:
             _STEP_MEMO.clear()
         value = _STEP_MEMO[key] = make()
     return value
@@ -50,29 +50,77 @@ def ragged_mla_attention(attend, query, kv_c, k_pe, cu_q: torch.Tensor, cu_k: to
             f"vllm_mla: ragged bounds (queries {q_bounds[-1]}, keys {k_bounds[-1]}) do not fit the query "
             f"({query.shape[2]}) and latent ({kv_c.shape[2]}) of the step"
         )
-    pieces: list[tuple[int, torch.Tensor]] = []
+    out = None
+
+    def place(rows: torch.Tensor, values: torch.Tensor) -> None:  # one copy per group, not one per request
+        nonlocal out
+        if out is None:
+            out = query.new_empty(1, query.shape[2], query.shape[1], values.shape[-1])
+        out[0].index_copy_(0, rows, values.to(out.dtype))
+
     decodes = [i for i in range(requests) if q_bounds[i + 1] - q_bounds[i] == 1]
     if decodes:
+        _, _, positions = _memo(("decode", id(q_bounds), id(k_bounds), query.device),
+                                lambda: _decode_indices(decodes, q_bounds, k_bounds, query.device))
         batch = (_decode_batch(attend, query, kv_c, k_pe, decodes, q_bounds, k_bounds) if decode is None else
                  _decode_kernel(decode, query, kv_c, k_pe, decodes, q_bounds, k_bounds))
-        pieces.extend(zip((q_bounds[i] for i in decodes), batch.unbind(0)))
-    for i in range(requests):
-        q0, q1, k0, k1 = q_bounds[i], q_bounds[i + 1], k_bounds[i], k_bounds[i + 1]
-        if q1 - q0 <= 1:
-            continue  # (decodes done above; an empty range has nothing to compute)
-        if k1 - k0 < q1 - q0:
-            raise RuntimeError(f"vllm_mla: request {i} has {q1 - q0} new tokens but a context of {k1 - k0}")
-        mask = None
-        if k1 - k0 > q1 - q0:  # a chunk after cached tokens: causal from the context's end (bottom-right)
-            q_pos = torch.arange(k1 - k0 - (q1 - q0), k1 - k0, device=query.device).view(-1, 1)
-            mask = (torch.arange(k1 - k0, device=query.device).view(1, -1) <= q_pos).view(1, 1, q1 - q0, k1 - k0)
-        chunk = attend(query[:, :, q0:q1], kv_c[:, :, k0:k1], k_pe[:, :, k0:k1], mask)
-        pieces.append((q0, chunk[0]))
-    width = pieces[0][1].shape[-1]
-    out = query.new_empty(1, query.shape[2], query.shape[1], width)
-    for start, piece in pieces:
-        out[0, start:start + piece.shape[0]] = piece.to(out.dtype)
+        place(positions, batch[:, 0])
+    chunks = [i for i in range(requests) if q_bounds[i + 1] - q_bounds[i] > 1]
+    for i in chunks:
+        if k_bounds[i + 1] - k_bounds[i] < q_bounds[i + 1] - q_bounds[i]:
+            raise RuntimeError(f"vllm_mla: request {i} has {q_bounds[i + 1] - q_bounds[i]} new tokens but a "
+                               f"context of {k_bounds[i + 1] - k_bounds[i]}")
+    for group in _memo(("groups", id(q_bounds), id(k_bounds)), lambda: _prefill_groups(chunks, q_bounds, k_bounds)):
+        q_index, k_index, allowed, rows, valid = _memo(
+            ("prefill", id(q_bounds), id(k_bounds), group, query.device),
+            lambda group=group: _prefill_indices(group, q_bounds, k_bounds, query.device))
+        queries = query[0][:, q_index].transpose(0, 1)  # [P, H, Qmax, qk]
+        result = attend(queries, kv_c[0, 0][k_index].unsqueeze(1), k_pe[0, 0][k_index].unsqueeze(1), allowed)
+        place(rows, result[valid])  # [P, Qmax, H, v] -> the real query rows
+    if out is None:
+        raise RuntimeError("vllm_mla: a ragged batch without any query")
     return out
+
+
+# A group of prefill chunks is computed as one padded batch while padding stays below this share of the real work
+# (a long chunk beside many short ones gets a group of its own instead of padding them all to its length).
+PREFILL_PADDING_SLACK = 2.0
+
+
+def _prefill_groups(chunks, q_bounds, k_bounds) -> list[tuple[int, ...]]:
+    """The prefill chunks in groups of similar context length (each computed as one padded batch)."""
+    by_length = sorted(chunks, key=lambda i: k_bounds[i + 1] - k_bounds[i])
+    groups, current, work = [], [], 0
+    for i in by_length:
+        q_len, k_len = q_bounds[i + 1] - q_bounds[i], k_bounds[i + 1] - k_bounds[i]
+        q_max = max([q_bounds[j + 1] - q_bounds[j] for j in current] + [q_len])
+        padded = (len(current) + 1) * q_max * k_len  # k_len is the group's longest (sorted)
+        if current and padded > PREFILL_PADDING_SLACK * (work + q_len * k_len):
+            groups.append(tuple(current))
+            current, work = [], 0
+        current.append(i)
+        work += q_len * k_len
+    if current:
+        groups.append(tuple(current))
+    return groups
+
+
+def _prefill_indices(group, q_bounds, k_bounds, device):
+    """``(q_index [P, Qmax], k_index [P, Kmax], allowed [P, 1, Qmax, Kmax], rows [N], valid [P, Qmax])`` for a group of
+    prefill chunks right-padded to the longest: each query row sees its own context's keys up to its own position
+    (causal from the context's end); padded rows repeat the chunk's last one and are dropped (``valid``)."""
+    q_lens = torch.tensor([q_bounds[i + 1] - q_bounds[i] for i in group], device=device).view(-1, 1)
+    k_lens = torch.tensor([k_bounds[i + 1] - k_bounds[i] for i in group], device=device).view(-1, 1)
+    q_starts = torch.tensor([q_bounds[i] for i in group], device=device).view(-1, 1)
+    k_starts = torch.tensor([k_bounds[i] for i in group], device=device).view(-1, 1)
+    q_off = torch.arange(int(q_lens.max()), device=device).view(1, -1)
+    k_off = torch.arange(int(k_lens.max()), device=device).view(1, -1)
+    q_index = q_starts + torch.minimum(q_off, q_lens - 1)
+    k_index = k_starts + torch.minimum(k_off, k_lens - 1)
+    position = (k_lens - q_lens + torch.minimum(q_off, q_lens - 1)).unsqueeze(-1)  # [P, Qmax, 1]
+    allowed = (k_off.unsqueeze(1) <= position) & (k_off < k_lens).unsqueeze(1)  # [P, Qmax, Kmax]
+    valid = q_off < q_lens
+    return q_index, k_index, allowed.unsqueeze(1), q_index[valid], valid
 
 
 def _decode_batch(attend, query, kv_c, k_pe, decodes, q_bounds, k_bounds) -> torch.Tensor:
