@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import threading
 import types
@@ -88,7 +89,9 @@ def latent_rows(config, width: int):
                 config.__dict__[n] = v
 
 
+@functools.cache
 def latent_cache_class():
+    """Our subclass of the engine's cache (made once, on first use: the engine is imported lazily)."""
     _, PagedAttentionCache, _ = _cb()
 
     class LatentPagedAttentionCache(PagedAttentionCache):
@@ -114,7 +117,9 @@ def latent_cache_class():
     return LatentPagedAttentionCache
 
 
+@functools.cache
 def manager_class():
+    """Our subclass of the engine's manager (made once, on first use)."""
     _, _, ContinuousBatchingManager = _cb()
     latent_cache = latent_cache_class()
 
