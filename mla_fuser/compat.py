@@ -6,6 +6,8 @@ private names itself, so a rename between releases is mended here once.
 
 from __future__ import annotations
 
+import contextlib
+
 # the attention implementation we register in Transformers' AttentionInterface / AttentionMaskInterface
 ATTENTION_NAME = "vllm_mla"
 
@@ -106,3 +108,19 @@ def default_apply_gate():
 def tensor_parallel_hooked(module) -> bool:
     """Whether a Transformers tensor-parallel style wraps ``module``'s forward (its backward all-reduces)."""
     return bool(getattr(module, "_is_hooked", False))
+
+
+@contextlib.contextmanager
+def attention_implementation_set(config, name: str):
+    """Within the block ``config`` names ``name`` as its attention implementation, written to the private field
+    behind ``config._attn_implementation`` (the public setter validates names and would refuse a tracing-only one);
+    the previous value is put back whatever happens.  A config without that field is left alone."""
+    if config is None or not hasattr(config, "_attn_implementation_internal"):
+        yield
+        return
+    previous = config.__dict__.get("_attn_implementation_internal")
+    config.__dict__["_attn_implementation_internal"] = name
+    try:
+        yield
+    finally:
+        config.__dict__["_attn_implementation_internal"] = previous

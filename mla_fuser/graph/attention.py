@@ -10,11 +10,11 @@ call, but only the interface's node is one a rewrite can redirect to another imp
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.fx as fx
 from torch import nn
+
+from .. import compat
 
 TRACE_ATTENTION_NAME = "mla_fuser_trace"
 
@@ -49,19 +49,9 @@ def register_tracing_interface() -> None:
     AttentionInterface.register(TRACE_ATTENTION_NAME, _tracing_attention_interface)
 
 
-@contextlib.contextmanager
 def attention_traced_opaquely(module: nn.Module):
     """Point the module's config at the tracing-only interface; restore it whatever happens."""
-    config = getattr(module, "config", None)
-    if config is None or not hasattr(config, "_attn_implementation_internal"):
-        yield
-        return
-    previous = config.__dict__.get("_attn_implementation_internal")
-    config.__dict__["_attn_implementation_internal"] = TRACE_ATTENTION_NAME
-    try:
-        yield
-    finally:
-        config.__dict__["_attn_implementation_internal"] = previous
+    return compat.attention_implementation_set(getattr(module, "config", None), TRACE_ATTENTION_NAME)
 
 
 def is_interface_attention(node: fx.Node) -> bool:
