@@ -32,7 +32,9 @@ import math
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
-from .kernels.dispatch import on_device
+from .kernels.dispatch import on_device, use_triton
+from .kernels.paged_cpu import append_rows
+from .kernels.paged_cache_ops import paged_append
 from .plans import model_state, plan_of
 
 PAGED_ATTR = "_mla_fuser_paged"
@@ -212,19 +214,22 @@ class PagedLatentLayer(CacheLayerMixin):
         self.device = key_states.device
         self.rank = key_states.shape[-1]
         width = key_states.shape[-1] + value_states.shape[-1]
-        self.pool = self.cache._pool_for(self.layer_idx, width, key_states.dtype, key_states.device)
+        first_pages = key_states.shape[0] * math.ceil(key_states.shape[2] / self.cache.page_size)
+        self.pool = self.cache._pool_for(self.layer_idx, width, key_states.dtype, key_states.device, first_pages)
         self.is_initialized = True
 
-    def _ensure_batch(self, batch: int) -> None:
+    def _ensure_batch(self, batch: int) -> bool:
+        """Set the layer up for ``batch`` sequences on its first write; True when its new tables still have to be
+        uploaded (the caller's reservation does it when it moves pages, else the caller must)."""
         if self.block_table is not None and self.block_table.shape[0] == batch:
-            return
+            return False
         if self.host_tables and len(self.host_tables) != batch:
             raise ValueError(f"paged latent cache holds {len(self.host_tables)} sequences, got a batch of {batch}")
         self.host_tables = [[] for _ in range(batch)]
         self.host_lens = [0] * batch
-        if not (self.cache.static and self._reserve([self.cache.max_seq_len] * batch)):
-            self._sync_tables()  # (a reservation that moved pages already did)
+        moved = self.cache.static and self._reserve([self.cache.max_seq_len] * batch)  # (uploads when it moves)
         self._load_starts()
+        return not moved
 
     def _load_starts(self) -> None:
         starts = self.cache.padding_starts
@@ -273,27 +278,52 @@ class PagedLatentLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, _, new, _ = key_states.shape
+        if len(self.host_lens) == batch and self.block_table is not None and self._holds(new):
+            target = [n + new for n in self.host_lens]  # a step inside pages already held (most decode steps)
+        else:
+            target = self._prepare(batch, new)
+        pages = self.pool.pages
+        kv_c, k_pe = key_states[:, 0], value_states[:, 0]
+        if kv_c.dtype != pages.dtype or k_pe.dtype != pages.dtype:
+            kv_c, k_pe = kv_c.to(pages.dtype), k_pe.to(pages.dtype)
+        # destinations from the block table and the lengths, in the kernel: one launch, no index arithmetic; on the
+        # layer's device (device_map splits), not the current one
+        if pages.is_cuda:
+            with on_device(pages):
+                paged_append(pages, self.block_table, self.seq_lens, kv_c, k_pe)
+        elif not torch.compiler.is_compiling() and not use_triton(pages):
+            # what the op runs on CPU (paged_cpu), from the host lists this layer keeps: no tensor read, no dispatch
+            append_rows(pages, self.host_tables, self.host_lens, kv_c, k_pe)
+        else:
+            paged_append(pages, self.block_table, self.seq_lens, kv_c, k_pe)
+        self.seq_lens += new
+        self.host_lens = target
+        return self._stand_ins(key_states, value_states, target[0] if target else 0)
+
+    def _holds(self, new: int) -> bool:
+        """Whether every sequence (all of one length) already holds the pages for ``new`` more tokens."""
+        page, first = self.pool.page_size, self.host_lens[0]
+        for n, table in zip(self.host_lens, self.host_tables):
+            if n != first or n + new > len(table) * page:
+                return False
+        return True
+
+    def _prepare(self, batch: int, new: int) -> list[int]:
+        """The lengths after writing ``new`` tokens, with the pages for them reserved (and the batch set up on a first
+        write); raises before anything changed when the pool cannot hold them."""
         first_write = not self.host_tables
         try:
-            self._ensure_batch(batch)
+            unsynced = self._ensure_batch(batch)
             if any(n != self.host_lens[0] for n in self.host_lens):
                 raise RuntimeError("paged latent cache: sequences of one batch must advance together")
             target = [n + new for n in self.host_lens]
-            self._reserve(target)
+            if not self._reserve(target) and unsynced:
+                self._sync_tables()
         except CachePoolExhausted:
             if first_write:  # the cache's first forward failed: leave the whole cache as new (any batch may follow)
                 self.cache.forget_failed_first_forward()
             raise
-        from .kernels.paged_cache_ops import paged_append
-
-        dtype = self.pool.pages.dtype
-        with on_device(self.pool.pages):  # the layer's device (device_map splits), not the current one
-            # destinations from the block table and the lengths, in the kernel: one launch, no index arithmetic
-            paged_append(self.pool.pages, self.block_table, self.seq_lens, key_states[:, 0].to(dtype),
-                         value_states[:, 0].to(dtype))
-        self.seq_lens += new
-        self.host_lens = target
-        return self._stand_ins(key_states, value_states, target[0] if target else 0)
+        return target
 
     def _stand_ins(self, key_states, value_states, total):
         # stride-0 views of one NaN row: no memory, the right shape for code that asks for sizes, and loud
@@ -483,7 +513,7 @@ class PagedLatentCache(DynamicCache):
         return cls(model, page_size=page_size, static=True, max_seq_len=max_seq_len,
                    max_cache_tokens=batch * pages * page_size)
 
-    def _pool_for(self, layer_idx: int, width: int, dtype, device) -> PagePool:
+    def _pool_for(self, layer_idx: int, width: int, dtype, device, first_pages: int | None = None) -> PagePool:
         pool = self._pools.get(layer_idx)
         if pool is not None:
             if pool.width != width or pool.pages.dtype != dtype or pool.pages.device != torch.device(device):
@@ -493,7 +523,10 @@ class PagedLatentCache(DynamicCache):
         if tokens is None and self.memory_fraction is None:
             if not (self.growable or self.static):
                 raise ValueError("PagedLatentCache needs max_cache_tokens or memory_fraction to size its pools")
-            tokens = 1024 if not self.static else 0  # static: sized when the batch is known (see below)
+            # static: sized when the batch is known (see below); growable: the pages of the first write (else 1024
+            # tokens), doubled when they run out: zero-filling pages a short generation never uses costs more than
+            # the rare doubling (measured: a quarter of a small model's prefill on a CPU with 1024 tokens per layer)
+            tokens = 0 if self.static else (1024 if first_pages is None else first_pages * self.page_size)
         if tokens is None:
             if torch.device(device).type == "cuda":
                 free, _ = torch.cuda.mem_get_info(device)

@@ -297,3 +297,27 @@ def test_compiled_left_padding_check_fails_loudly_on_other_masks():
     assert torch.equal(compiled(left), torch.tensor([1, 0], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="not left padding"):
         compiled(torch.tensor([[True, True, False], [True, True, True]]))
+
+
+def test_growable_pool_starts_at_the_first_write_and_doubles():
+    """generate's automatic cache (growable) allocates the pages its prefill needs, not a fixed 1024 tokens per layer,
+    and doubles when decode runs out; the tokens stay native's across the growths."""
+    native, fused = _pair()
+    ids, mask = _prompts([5, 5], seed=3)
+    cache = PagedLatentCache(fused, page_size=4)
+    sizes = []
+    orig = PagedLatentLayer.update
+
+    def spy(self, *a, **k):
+        out = orig(self, *a, **k)
+        sizes.append(self.pool.num_pages)
+        return out
+
+    PagedLatentLayer.update = spy
+    try:
+        out = fused.generate(ids, attention_mask=mask, **{KW: cache}, max_new_tokens=20, do_sample=False)
+    finally:
+        PagedLatentLayer.update = orig
+    assert torch.equal(out, native.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False))
+    assert cache.growable and sizes[0] == 2 * 2  # two sequences of 5 tokens: two pages of 4 each
+    assert max(sizes) >= 2 * 7 and all(n in (4, 8, 16, 32) for n in sizes)  # 25 tokens: 7 pages each, by doubling

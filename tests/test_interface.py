@@ -198,3 +198,29 @@ def test_left_padded_decode_runs_the_kernel_with_starts(monkeypatch):
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert torch.equal(fused.generate(ids, **kw), native.generate(ids, **kw))
     assert seen and all(s is not None and s.tolist() == [4, 0] for s in seen)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_absorbed_views_follow_the_weight(bias):
+    """The absorbed views of a plain kv_b_proj are kept between calls (an eager decode step is host-bound): in-place
+    changes show through them, and a new storage, bias or module is noticed at the next call."""
+    mod = FakeAttn(bias=bias)
+    q, kv_c, k_pe = _inputs(s=1, t=9, mod=mod)
+
+    def check():
+        key, value = mod.expand(kv_c, k_pe)
+        fused, _ = vllm_mla_attention(mod, q, kv_c, k_pe, None, scaling=0.3)
+        ref = padded_attention(mod, q, key, value, None, scaling=0.3)
+        assert torch.allclose(fused, ref, atol=1e-5, rtol=1e-4)
+
+    check()
+    with torch.no_grad():
+        mod.kv_up.weight.mul_(-2)  # in place: the kept views see it
+    check()
+    mod.kv_up.weight.data = torch.randn_like(mod.kv_up.weight)  # new storage (a load that assigns, .to())
+    check()
+    if bias:
+        mod.kv_up.bias = torch.nn.Parameter(torch.randn_like(mod.kv_up.bias))
+        check()
+    mod.kv_up = torch.nn.Linear(*reversed(mod.kv_up.weight.shape), bias=bias)  # a new module
+    check()

@@ -353,3 +353,57 @@ def test_router_deepseek_v3_sigmoid_bias_groups():
     w, ids = fm.route_topk_ref(logits, 2, scoring="sigmoid", correction_bias=bias)
     assert ids.tolist() == [[7, 0]]
     torch.testing.assert_close(w, torch.tensor([[0.2, 0.9]]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the torch path for CPU tensors (pairs grouped on the host)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 2, 9])
+def test_cpu_path_equals_ref_bitwise(interleaved, bias, num_tokens):
+    """``fused_experts_cpu`` (what ``fused_experts`` runs for CPU tensors) computes exactly the reference's numbers:
+    one token (the decode fast path), experts picked by one or several tokens, a sentinel id, an expert listed twice
+    by one token, gelu."""
+    gate_up, down, gub, db = _weights(torch.float32, bias)
+    hidden = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(5))
+    ids, w = _routing(num_tokens, 3)
+    kw = dict(gate_up_bias=gub, down_bias=db, interleaved=interleaved)
+    for case in ("plain", "sentinel", "twice"):
+        ids_c = ids.clone()
+        if case == "sentinel":
+            ids_c[-1, 2] = E
+        elif case == "twice":
+            ids_c[0, 2] = ids_c[0, 1]
+        for act in ("silu", "gelu"):
+            ref = fm.fused_experts_ref(hidden, gate_up, down, ids_c, w, activation=act, **kw)
+            out = fm.fused_experts_cpu(hidden, gate_up, down, ids_c, w, activation=act, **kw)
+            assert out.dtype == ref.dtype and torch.equal(out, ref), (case, act)
+
+
+def test_cpu_path_bf16_and_edges():
+    gate_up, down, _, _ = _weights(torch.float32, False)
+    hidden = torch.randn(4, H, generator=torch.Generator().manual_seed(6))
+    ids, w = _routing(4, 2)
+    bf = [t.bfloat16() for t in (hidden, gate_up, down)]
+    for n in (1, 4):  # bf16 weights: act(gate) * up rounded to bf16 as in the reference
+        out = fm.fused_experts_cpu(bf[0][:n], *bf[1:], ids[:n], w[:n])
+        assert out.dtype == torch.bfloat16 and torch.equal(out, fm.fused_experts_ref(bf[0][:n], *bf[1:], ids[:n], w[:n]))
+    assert fm.fused_experts_cpu(hidden[:0], gate_up, down, ids[:0], w[:0]).shape == (0, H)
+    all_out = torch.full_like(ids[:1], E)  # no valid expert: zeros
+    assert torch.equal(fm.fused_experts_cpu(hidden[:1], gate_up, down, all_out, w[:1]), torch.zeros(1, H))
+
+
+def test_cpu_tensors_take_the_cpu_path(monkeypatch):
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "torch")
+    calls = []
+    original = fm.fused_experts_cpu
+    monkeypatch.setattr(fm, "fused_experts_cpu", lambda *a, **k: calls.append(1) or original(*a, **k))
+    gate_up, down, _, _ = _weights(torch.float32, False)
+    hidden = torch.randn(2, 3, H, generator=torch.Generator().manual_seed(7))  # leading dims are kept
+    ids, w = _routing(6, 2)
+    out = fm.fused_experts(hidden, gate_up, down, ids.view(2, 3, 2), w.view(2, 3, 2))
+    assert calls and out.shape == hidden.shape
+    assert torch.equal(out.view(6, H), fm.fused_experts_ref(hidden.view(6, H), gate_up, down, ids, w))

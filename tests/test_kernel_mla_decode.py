@@ -364,3 +364,87 @@ def test_paged_write_then_decode_roundtrip(interp):
         [torch.softmax(0.2 * q[b] @ rows[b].T, dim=-1) @ rows[b][:, :r] for b in range(2)]
     )
     torch.testing.assert_close(out, dense, atol=2e-5, rtol=2e-5)
+
+
+# ------------------------------------------------------------------------------------- CPU paths (host-indexed)
+
+
+def _consecutive_case(lens, H, r, rope, ps, dtype, seed):
+    """``make_case`` with each sequence's pages consecutive ids (the pool view path), NaN elsewhere."""
+    q, kv, bt, sl = make_case(lens, H, r, rope, ps, dtype, seed)
+    kv2, bt2 = torch.full_like(kv, float("nan")), torch.full_like(bt, -1)
+    start = 1  # page 0 stays NaN: a view that starts one page early shows
+    for b, L in enumerate(lens):
+        n = math.ceil(L / ps)
+        kv2[start:start + n] = kv[bt[b, :n].long()]
+        bt2[b, :n] = torch.arange(start, start + n, dtype=torch.int32)
+        start += n
+    return q, kv2, bt2, sl
+
+
+@pytest.mark.parametrize("layout", ["shuffled", "consecutive"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_starts", [False, True])
+def test_cpu_decode_matches_ref(layout, dtype, with_starts):
+    """``mla_decode_cpu`` (what ``mla_decode`` runs for CPU tensors) against the reference: empty, partial, exact and
+    multi-page sequences, pages gathered or viewed, left-padding starts (0, inside, past the length)."""
+    from mla_fuser.kernels.paged_cpu import mla_decode_cpu
+
+    lens = [0, 1, 16, 17, 45, 9]
+    build = make_case if layout == "shuffled" else _consecutive_case
+    q, kv, bt, sl = build(lens, 3, 32, 8, 16, dtype, seed=40)
+    starts = torch.tensor([0, 0, 5, 16, 30, 12], dtype=torch.int32) if with_starts else None
+    out = mla_decode_cpu(q, kv, bt, sl, 0.21, 32, starts)
+    assert out.dtype == dtype and out.shape == (len(lens), 3, 32) and torch.isfinite(out).all()
+    ref = md.mla_decode_ref(q, kv, bt, sl, 0.21, 32, starts)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+    else:  # both compute in fp32 and round once
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+    assert (out[0] == 0).all() and (not with_starts or (out[5] == 0).all())
+    single = mla_decode_cpu(q[4:5], kv, bt[4:5], sl[4:5], 0.21, 32, None if starts is None else starts[4:5])
+    torch.testing.assert_close(single, md.mla_decode_ref(q[4:5], kv, bt[4:5], sl[4:5], 0.21, 32,
+                                                         None if starts is None else starts[4:5]))
+
+
+def test_decode_dispatch_runs_the_cpu_path_for_cpu_tensors(monkeypatch):
+    import mla_fuser.kernels.mla_decode as mod
+
+    calls = []
+    original = mod.mla_decode_cpu
+    monkeypatch.setattr(mod, "mla_decode_cpu", lambda *a: calls.append(1) or original(*a))
+    q, kv, bt, sl = make_case([5, 20], 2, 16, 8, 16, torch.float32, seed=41)
+    for backend in (None, "torch"):  # automatic, and the torch backend forced
+        if backend:
+            monkeypatch.setenv("MLA_FUSER_BACKEND", backend)
+        torch.testing.assert_close(md.mla_decode(q, kv, bt, sl, 0.3, 16), md.mla_decode_ref(q, kv, bt, sl, 0.3, 16))
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("rope", [8, 0])
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 3, (torch.bfloat16,) * 3,
+                                    (torch.float32, torch.float32, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32, torch.float32)])
+@pytest.mark.parametrize("new", [1, 5])
+def test_cpu_append_matches_ref(rope, dtypes, new):
+    """``paged_append_cpu`` writes what the reference writes, bit for bit: ragged lengths crossing page boundaries,
+    strided step inputs, a batch of one (the single-copy path), inputs of other dtypes than the pages (the
+    reference's rounding: k_pe through kv_c's dtype first)."""
+    from mla_fuser.kernels.paged_cpu import paged_append_cpu
+
+    c_dtype, pe_dtype, pages_dtype = dtypes
+    g = _seed(42)
+    P, ps, r = 10, 4, 32
+    for B, lens in ((3, [0, 3, 6]), (1, [2])):
+        kv = torch.randn(P, ps, r + rope, generator=g).to(pages_dtype)
+        kv_ref = kv.clone()
+        table = torch.randperm(P, generator=g)[: B * 3].view(B, 3).to(torch.int32)
+        lens_t = torch.tensor(lens, dtype=torch.int32)
+        rows = torch.randn(B, new, 1, r + rope + 3, generator=g)[:, :, 0]  # non-contiguous step
+        kv_c, k_pe = rows[..., :r].to(c_dtype), rows[..., r:r + rope].to(pe_dtype)
+        paged_append_cpu(kv, table, lens_t, kv_c, k_pe)
+        pco.paged_append_ref(kv_ref, table, lens_t, kv_c, k_pe)
+        assert torch.equal(kv, kv_ref)
+        if rope:  # a write wider or narrower than a cache row is refused
+            with pytest.raises(ValueError, match="row width"):
+                paged_append_cpu(kv, table, lens_t, kv_c, k_pe[..., 1:])

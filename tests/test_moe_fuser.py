@@ -532,3 +532,40 @@ def test_generate_decode_swap_keeps_the_fused_experts():
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(4))
     model.generate(ids, max_new_tokens=4, do_sample=False)
     assert len(seen) == 4 and set(seen) == {IMPL_NAME}
+
+
+def test_cpu_calls_of_middle_size_run_grouped_mm(monkeypatch):
+    """On a CPU Transformers' ``grouped_mm`` beats the fused op's torch path between a few tokens and about a thousand
+    (``CPU_GROUPED_MM_TOKENS``): there a fused experts module whose model had chosen ``grouped_mm`` runs it (native's
+    numbers exactly); below and above, and whenever a backend is forced, the op runs."""
+    from mla_fuser.fusers.moe import experts as ex
+    import mla_fuser.kernels.fused_moe as fm
+
+    model = _model("deepseek_v2")
+    mla_fuser.fuse(model)
+    experts = model.model.layers[1].mlp.experts
+    assert experts.config._experts_implementation == IMPL_NAME
+    grouped = ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+    ran = []
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, "grouped_mm",
+                        lambda *a: ran.append("grouped_mm") or grouped(*a))
+    kernel = fm.fused_experts
+    monkeypatch.setattr(fm, "fused_experts", lambda *a, **k: ran.append("op") or kernel(*a, **k))
+    gen = torch.Generator().manual_seed(5)
+    small, large = ex.CPU_GROUPED_MM_TOKENS.start, ex.CPU_GROUPED_MM_TOKENS.stop
+    for tokens, expected in ((1, "op"), (small - 1, "op"), (small, "grouped_mm"), (large - 1, "grouped_mm"),
+                             (large, "op")):
+        x = torch.randn(tokens, experts.gate_up_proj.shape[-1], generator=gen)
+        ids = torch.randint(0, experts.num_experts, (tokens, 2), generator=gen)
+        w = torch.rand(tokens, 2, generator=gen)
+        ran.clear()
+        with torch.no_grad():
+            out = experts(x, ids, w)
+            ref = grouped(experts, x, ids, w)
+        assert ran == [expected], (tokens, ran)
+        assert _rel(ref, out) <= 1e-5 and (expected == "op" or torch.equal(out, ref))
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "torch")
+    ran.clear()
+    with torch.no_grad():
+        experts(x[:small], ids[:small], w[:small])
+    assert ran == ["op"]

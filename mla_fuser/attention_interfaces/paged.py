@@ -23,18 +23,24 @@ def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts=None):
     the heads of ``query`` (``vllm_mla.absorbed_weights``): all heads, or this rank's under tensor parallelism.
     The pages hold the (replicated) latent on the layer's own device.  ``starts`` (int ``[B]``): left padding,
     tokens before ``starts[b]`` are not attended."""
-    q_nope, q_pe = query[:, :, 0].split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+    nope = m.qk_nope_head_dim
+    q_nope, q_pe = query[:, :, 0, :nope], query[:, :, 0, nope:]  # (slices: Tensor.split costs more host time)
     # [H, B, nope] x [H, nope, rank] -> [H, B, rank]
-    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)
-    q_abs = torch.cat([q_lat, q_pe], dim=-1).to(view.pages.dtype).contiguous()
+    q_lat = torch.bmm(q_nope.transpose(0, 1), _as(w_uk, q_nope.dtype)).transpose(0, 1)
+    pages = view.pages
+    q_abs = _as(torch.cat([q_lat, q_pe], dim=-1), pages.dtype).contiguous()
     with on_device(q_abs):
-        out_lat = mla_decode(q_abs, view.pages, view.block_table, view.seq_lens, scaling, m.kv_lora_rank,
-                             starts=starts)
+        out_lat = mla_decode(q_abs, pages, view.block_table, view.seq_lens, scaling, m.kv_lora_rank, starts=starts)
     # [H, B, rank] x [H, rank, v] -> [H, B, v]
-    out = torch.bmm(out_lat.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
+    out = torch.bmm(_as(out_lat.transpose(0, 1), w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
     if b_v is not None:
         out = out + b_v
-    return out.unsqueeze(1).to(query.dtype)
+    return _as(out.unsqueeze(1), query.dtype)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the call when it would do nothing (each call costs host time in an eager step)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def gathered_latent(view, rank: int):

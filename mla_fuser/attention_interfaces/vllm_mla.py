@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,38 @@ def kv_b_params(linear):
         if linear.weight.device.type == "meta":
             raise RuntimeError(f"vllm_mla: {type(linear).__name__} weight is on the meta device and no hook loads it")
         yield local_tensor(linear.weight), local_tensor(linear.bias)
+
+
+# kv_b_proj module -> ((weight, bias), key, views): the absorbed views of a plain kv_b_proj, made again when the
+# weight's storage, shape or dtype changes (``.to()``, a load that assigns) or the head count does
+_ABSORBED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _plain_params(linear):
+    """``(weight, bias)`` of a linear that nothing loads or shards (no accelerate hook, no DTensor, not on meta), read
+    without the ``kv_b_params`` context; None otherwise."""
+    if "_hf_hook" in linear.__dict__:
+        return None
+    weight = linear._parameters.get("weight")
+    if weight is None or weight.is_meta or (_DTensor is not None and isinstance(weight, _DTensor)):
+        return None
+    return weight, linear._parameters.get("bias")
+
+
+def with_absorbed_weights(kv_b, m, heads: int, fn):
+    """``fn(w_uk, w_uv, b_v)`` on the absorbed views of ``kv_b``'s weight (``absorbed_weights``), inside
+    ``kv_b_params`` when a hook loads the weight or it is a shard; a plain weight's views are made once and reused
+    (an eager decode step spends host time, not compute, on such small ops)."""
+    plain = None if torch.compiler.is_compiling() else _plain_params(kv_b)
+    if plain is None:
+        with kv_b_params(kv_b) as (weight, bias):
+            return fn(*absorbed_weights(weight, bias, m, heads))
+    weight, bias = plain
+    key = (weight.data_ptr(), weight.shape, weight.dtype, None if bias is None else bias.data_ptr(), heads)
+    cached = _ABSORBED.get(kv_b)
+    if cached is None or cached[0][0] is not weight or cached[0][1] is not bias or cached[1] != key:
+        cached = _ABSORBED[kv_b] = ((weight, bias), key, absorbed_weights(weight, bias, m, heads))
+    return fn(*cached[2])
 
 
 def absorbed_weights(weight, bias, m, heads: int):
@@ -222,9 +255,8 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
                 from_mask = left_padding_starts(attention_mask, kv_c.shape[2])
                 starts = from_mask if starts is None or from_mask is None else torch.maximum(starts, from_mask)
             if attention_mask is None or starts is not None:
-                with kv_b_params(kv_b) as (weight, bias):
-                    w_uk, w_uv, b_v = absorbed_weights(weight, bias, m, heads)
-                    return paged_decode(query, view, scale, w_uk, w_uv, b_v, m, starts)
+                return with_absorbed_weights(kv_b, m, heads, lambda w_uk, w_uv, b_v: paged_decode(
+                    query, view, scale, w_uk, w_uv, b_v, m, starts))
         kv_c, k_pe = gathered_latent(view, m.kv_lora_rank)
     if kv_c.ndim != 4 or kv_c.shape[1] != 1 or kv_c.shape[-1] != m.kv_lora_rank:
         raise RuntimeError(
@@ -253,9 +285,8 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
         return padded_attention(module, query, key, value, attention_mask, dropout, scale, indices, s_aux,
                                 sliding_window, is_causal, softcap)
     q_nope, q_pe = query.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-    with kv_b_params(kv_b) as (weight, bias):
-        w_uk, w_uv, b_v = absorbed_weights(weight, bias, m, heads)
-        return mla_attention(q_nope, q_pe, kv_c[:, 0], k_pe[:, 0], w_uk, w_uv, scale, folded, b_v, s_aux)
+    return with_absorbed_weights(kv_b, m, heads, lambda w_uk, w_uv, b_v: mla_attention(
+        q_nope, q_pe, kv_c[:, 0], k_pe[:, 0], w_uk, w_uv, scale, folded, b_v, s_aux))
 
 
 def padded_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, indices=None,
@@ -341,9 +372,8 @@ def _ragged(module, query, kv_c, k_pe, scaling, dropout, softcap, extra, kwargs,
 
         def decode(queries, pages, block_table, seq_lens):  # the paged decode kernel over the step's latent rows
             rows = types.SimpleNamespace(pages=pages, block_table=block_table, seq_lens=seq_lens)
-            with kv_b_params(kv_b) as (weight, bias):
-                w_uk, w_uv, b_v = absorbed_weights(weight, bias, plan.match, queries.shape[1])
-                return paged_decode(queries, rows, scale, w_uk, w_uv, b_v, plan.match)
+            return with_absorbed_weights(kv_b, plan.match, queries.shape[1], lambda w_uk, w_uv, b_v: paged_decode(
+                queries, rows, scale, w_uk, w_uv, b_v, plan.match))
 
     return ragged_mla_attention(attend, query, kv_c, k_pe, kwargs["cu_seq_lens_q"], cu_k, decode)
 

@@ -104,7 +104,8 @@ class MLAPlan:
 
     def kv_b(self, module: nn.Module) -> nn.Module:
         """The KV up-projection as it is *now*: a plain linear, or whatever replaced or wrapped it since (PEFT)."""
-        return module.get_submodule(self.match.kv_b_proj)
+        child = module._modules.get(self.match.kv_b_proj)  # a direct child (read at every attention call)
+        return child if child is not None else module.get_submodule(self.match.kv_b_proj)
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from torch import nn
 from .. import graph as g
 from ..fx_ops import CAST_METHODS, arg, is_number, meta_dtype, op_name
 from ..kernels.dispatch import launches_are_free, use_triton
-from ..kernels.rms_norm import KERNEL_DTYPES, rms_norm
+from ..kernels.rms_norm import KERNEL_DTYPES, rms_norm, rms_norm_ref
 from ..plans import clear_plan, plan_of, set_plan
 from .base import Fuser, FusionRow, NoMatch, shape_key
 
@@ -390,7 +390,11 @@ def _fused_forward(self: nn.Module, *args, **kwargs):
     x = args[0] if args else next(iter(kwargs.values()))
     if not plan.runs_fused(x, weight) or not _pays(x):
         return plan.original(*args, **kwargs)
-    return plan.kernel(x, weight)
+    if x.is_cuda or torch.compiler.is_compiling() or use_triton(x):
+        return plan.kernel(x, weight)
+    # an eager CPU call: what the op would run there, its torch twin (the module's very ops, bitwise, as the check
+    # at fusion made sure), called directly: the op's layers of dispatch cost more host time than the norm itself
+    return rms_norm_ref(x, weight, m.eps, m.weight_offset, m.weight_in_fp32)
 
 
 def _check_against_original(module: nn.Module, match: NormMatch, original: Callable) -> str:

@@ -47,6 +47,8 @@ def base_linear(module: nn.Module | None) -> nn.Linear | None:
 def is_plain_linear(module: nn.Module | None) -> bool:
     """An ``nn.Linear`` that wraps nothing: its ``weight`` (and bias) is all it computes with, so fused code may
     read them instead of calling it.  An adapter layer (``base_linear``) adds terms its base weight does not hold."""
+    if type(module) is nn.Linear and "base_layer" not in module._modules and "base_layer" not in module.__dict__:
+        return True  # (the common case, answered without a failing attribute lookup: it runs at every attention call)
     return isinstance(module, nn.Linear) and getattr(module, "base_layer", None) is None
 
 

@@ -62,9 +62,13 @@ def requested_backend() -> str | None:
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when the Triton implementation should run for these inputs."""
     forced = requested_backend()
-    on_cuda = any(t is not None and t.is_cuda for t in tensors)
     if forced == "torch":
         return False
+    on_cuda = False
+    for t in tensors:  # (a loop, not any() over a generator: this runs for every op of an eager step)
+        if t is not None and t.is_cuda:
+            on_cuda = True
+            break
     if forced == "triton":
         if not triton_available():
             raise RuntimeError("MLA_FUSER_BACKEND=triton but Triton is not installed")

@@ -70,6 +70,7 @@ from dataclasses import dataclass
 import torch
 
 from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, kernel_op, tl, triton, triton_interpreting, use_triton
+from .paged_cpu import mla_decode_cpu
 
 __all__ = [
     "MLADecodeConfig",
@@ -643,6 +644,8 @@ def _mla_decode_op(
 ) -> torch.Tensor:
     if use_triton(q):
         return mla_decode_triton(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits, starts=starts)
+    if q.is_cpu:  # host reads are free there: each sequence's exact rows (paged_cpu)
+        return mla_decode_cpu(q, kv_pages, block_table, seq_lens, scale, v_dim, starts)
     return mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim, starts)
 
 
@@ -665,7 +668,8 @@ def mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None
         num_splits: KV splits per sequence (None: chosen from shapes and the SM count).
         starts: int32 ``[B]`` or None: sequence ``b`` attends only to tokens ``>= starts[b]`` (left padding).
 
-    Returns ``[B, H, v_dim]`` in q's dtype.  Backend choice: ``dispatch.use_triton(q)``.  Under
+    Returns ``[B, H, v_dim]`` in q's dtype.  Backend choice: ``dispatch.use_triton(q)``; the torch backend runs
+    ``paged_cpu.mla_decode_cpu`` on CPU tensors, the reference elsewhere.  Under
     torch.compile (and for tensor subclasses such as FakeTensor) the call goes through the
     ``mla_fuser::mla_decode`` custom op, so the compiled graph holds one opaque node; in eager mode
     the op's implementation is called directly to save the dispatcher's host overhead (``dispatch.KernelOp``).

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import LazyJit, kernel_op, tl, triton, use_triton
+from .paged_cpu import paged_append_cpu
 
 __all__ = ["paged_append", "paged_append_ref", "paged_append_triton", "paged_write", "paged_write_ref",
            "paged_write_triton", "paged_gather_ref"]
@@ -241,6 +242,8 @@ def _paged_append_op(kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens
                      kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
     if use_triton(kv_pages):
         paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe)
+    elif kv_pages.is_cpu:  # host reads are free there: slots as ints, a copy per page (paged_cpu)
+        paged_append_cpu(kv_pages, block_table, seq_lens, kv_c, k_pe)
     else:
         paged_append_ref(kv_pages, block_table, seq_lens, kv_c, k_pe)
 
@@ -261,7 +264,8 @@ def paged_append(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
             position ``seq_lens[b] + t``.
     Why: the destination slots come from device memory inside the kernel, so a step costs one launch and no
     index arithmetic in torch (eight small launches per layer, a noticeable share of a captured decode step).
-    The pages covering the new positions must already be in the block table.
+    The pages covering the new positions must already be in the block table.  Backend: ``use_triton(kv_pages)``;
+    the torch backend runs ``paged_cpu.paged_append_cpu`` on CPU tensors, the reference elsewhere.
     """
     if k_pe is None:
         k_pe = kv_c.new_empty((*kv_c.shape[:2], 0))

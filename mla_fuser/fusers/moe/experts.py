@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ... import compat
+from ...kernels.dispatch import requested_backend
 from ..base import NoMatch
 from .mlp import activation_name
 from .specs import KERNEL_DTYPES, MoEMatch
@@ -110,9 +111,9 @@ def keep_fused_experts(model: nn.Module):
     """Within the block, ``generate``'s decode-time switch from ``grouped_mm`` to ``batched_mm`` leaves this model's
     fused experts on the ``"mla_fuser"`` kernel (it would otherwise replace them with ``batched_mm`` for every
     decode step).  A model whose user chose another implementation before the call keeps that choice."""
-    configs = {id(m.config._base) for m in model.modules()
-               if isinstance(getattr(m, "config", None), _ExpertsConfigView)
-               and compat.experts_implementation(m.config._base) == m.config._fused_over == "grouped_mm"}
+    views = [m.__dict__.get("config") for m in model.modules()]  # (what apply_interface set; no failing getattr)
+    configs = {id(v._base) for v in views if isinstance(v, _ExpertsConfigView)
+               and compat.experts_implementation(v._base) == v._fused_over == "grouped_mm"}
     token = _DECODE_SWAP_KEPT.set(_DECODE_SWAP_KEPT.get() | configs)
     try:
         yield
@@ -143,28 +144,49 @@ def _experts_activation(experts: nn.Module) -> str | None:
     return cached[1]
 
 
-def _previous_implementation(experts: nn.Module):
-    """What runs when the kernel cannot: the implementation the model had chosen before fusion
-    (``grouped_mm``, Transformers' default, when "mla_fuser" was asked for directly)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
+def _previous_name(experts: nn.Module) -> str:
+    """The implementation the model had chosen before fusion (``grouped_mm``, Transformers' default, when
+    "mla_fuser" was asked for directly)."""
     config = getattr(experts, "config", None)
     name = config._fused_over if isinstance(config, _ExpertsConfigView) else None
-    if name in (None, IMPL_NAME):
-        name = "grouped_mm"
-    original = inspect.unwrap(type(experts).forward)
-    return ALL_EXPERTS_FUNCTIONS.get(name, original)
+    return "grouped_mm" if name in (None, IMPL_NAME) else name
+
+
+def _previous_implementation(experts: nn.Module):
+    """What runs when the kernel cannot: the implementation the model had chosen before fusion."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    return ALL_EXPERTS_FUNCTIONS.get(_previous_name(experts), inspect.unwrap(type(experts).forward))
+
+
+# Token counts at which Transformers' own ``grouped_mm`` is faster on a CPU than the fused op's torch path there
+# (``kernels.fused_moe.cpu``: one F.linear pair per picked expert, grouped on the host).  Measured on a 2-core CPU,
+# fp32: the tiny preset's experts (8 of width 128, top-2) take 53 vs 114 us at 1 token and 110 vs 129 us at 2, but
+# 225 vs 205 us at 4, 656 vs 462 at 64, 1237 vs 907 at 256; DeepSeek-V2-Lite's (64 of width 1408, top-6) 177 vs 163
+# ms at 64 tokens, 342 vs 268 at 256, then 505 vs 563 ms at 1024 and 1.6 vs 2.3 s at 4096.  In between, a fused block
+# whose model had chosen ``grouped_mm`` runs it (the native numerics, exactly); an explicit MLA_FUSER_BACKEND keeps
+# the kernel's path.
+CPU_GROUPED_MM_TOKENS = range(3, 1024)
+
+
+def _defers_to_grouped_mm(experts: nn.Module, hidden: torch.Tensor) -> bool:
+    """An eager CPU call whose size ``grouped_mm`` runs faster, in a model that had chosen it (compiled calls keep
+    the op: one opaque node)."""
+    return (not torch.compiler.is_compiling() and hidden.is_cpu
+            and hidden.numel() // max(1, hidden.shape[-1]) in CPU_GROUPED_MM_TOKENS
+            and requested_backend() is None and _previous_name(experts) == "grouped_mm")
 
 
 def _kernel_supports(experts: nn.Module, hidden: torch.Tensor, weights: torch.Tensor) -> bool:
     gate_up = getattr(experts, "gate_up_proj", None)
-    if not isinstance(gate_up, torch.Tensor) or gate_up.dtype not in KERNEL_DTYPES or gate_up.device.type == "meta":
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dtype not in KERNEL_DTYPES or gate_up.is_meta:
         return False
     if hidden.dtype not in KERNEL_DTYPES or hidden.device != gate_up.device:
         return False
+    default_gate = compat.default_apply_gate()
     if (getattr(experts, "has_gate", True) is not True or getattr(experts, "has_post_expert_norm", False)
             or getattr(experts, "_is_expert_parallel", False) or getattr(experts, "is_concatenated", True) is False
-            or getattr(type(experts), "_apply_gate", compat.default_apply_gate()) is not compat.default_apply_gate()):
+            or getattr(type(experts), "_apply_gate", default_gate) is not default_gate):
         return False
     if torch.is_grad_enabled() and (hidden.requires_grad or weights.requires_grad or gate_up.requires_grad):
         return False  # the kernel has no backward: training runs the previous implementation
@@ -178,11 +200,12 @@ def mla_fuser_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     Same contract as Transformers' ``grouped_mm``/``batched_mm`` implementations (the decorator's flags on the
     instance give the layout; the default gate splits ``[gate; up]`` by halves).  What the kernel does not cover
     (no gate, post-expert norm, custom or ambiguous gating, expert parallelism, gradients, float64) runs the
-    implementation chosen before.
+    implementation chosen before, and so do CPU calls of a size where ``grouped_mm`` is faster there
+    (``CPU_GROUPED_MM_TOKENS``).
     """
     from ...kernels.fused_moe import fused_experts
 
-    if not _kernel_supports(self, hidden_states, top_k_weights):
+    if not _kernel_supports(self, hidden_states, top_k_weights) or _defers_to_grouped_mm(self, hidden_states):
         return _previous_implementation(self)(self, hidden_states, top_k_index, top_k_weights)
     gate_up, down = self.gate_up_proj, self.down_proj
     if getattr(self, "is_transposed", False):
@@ -219,6 +242,8 @@ def apply_interface(module: nn.Module, match: MoEMatch) -> str:
     config = getattr(experts, "config", None)
     if config is None:
         raise NoMatch("the experts module has no config to select its implementation from")
+    from ...kernels import fused_moe  # noqa: F401 - imported at fusion, not inside the first forward (a first impression)
+
     if compat.experts_implementation(config) == IMPL_NAME:
         return f"experts_implementation {IMPL_NAME!r} (selected by the model)"
     experts.config = _ExpertsConfigView(config)

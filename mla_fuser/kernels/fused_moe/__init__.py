@@ -45,10 +45,11 @@ output are rounded to the weight dtype (tensor-core inputs/outputs; the decode G
 fp32), the K-sum is done in fp32, the result is returned in ``hidden``'s dtype.  fp32 inputs use IEEE fp32 dot products (no TF32).
 
 Layout (one concern per module): :mod:`.reference` (input checks and the torch references that define the
-math), :mod:`.triton_kernels` (the Triton kernels), :mod:`.launch` (path choice, alignment and launches:
+math), :mod:`.cpu` (the torch path for CPU tensors: the reference's math with the pairs grouped on the host),
+:mod:`.triton_kernels` (the Triton kernels), :mod:`.launch` (path choice, alignment and launches:
 :func:`fused_experts_triton`), :mod:`.configs` (default and tuned tiles).  This module is the public op:
 :func:`fused_experts` (a ``torch.library`` custom op ``mla_fuser::fused_experts`` with a fake impl, Triton or
-torch chosen by :func:`mla_fuser.kernels.dispatch.use_triton`), re-exporting :func:`fused_experts_ref`,
+torch chosen by :func:`mla_fuser.kernels.dispatch.use_triton`), re-exporting :func:`fused_experts_ref`, :func:`fused_experts_cpu`,
 :func:`fused_experts_triton`, :func:`align_tokens_to_experts` / :func:`align_tokens_to_experts_ref`, the router
 reference :func:`route_topk_ref` and the config helpers.
 """
@@ -72,6 +73,7 @@ from .launch import (
     launch_gemm,
     small_batch_max_tokens,
 )
+from .cpu import fused_experts_cpu
 from .reference import align_tokens_to_experts_ref, fused_experts_ref, route_topk_ref
 
 __all__ = [
@@ -82,6 +84,7 @@ __all__ = [
     "align_tokens_to_experts_ref",
     "default_config",
     "fused_experts",
+    "fused_experts_cpu",
     "fused_experts_ref",
     "fused_experts_triton",
     "get_moe_config",
@@ -108,22 +111,23 @@ def _fused_experts_op(
 ) -> torch.Tensor:
     # fused_experts_triton is read from this module's namespace at each call, so patching
     # ``fused_moe.fused_experts_triton`` reaches it (tests count launches that way).
-    lead = hidden.shape[:-1]
-    hidden2d = hidden.reshape(-1, hidden.shape[-1])
-    ids2d = topk_ids.reshape(-1, topk_ids.shape[-1])
-    w2d = topk_weights.reshape(-1, topk_weights.shape[-1])
+    flat = hidden.dim() == 2  # (what experts modules pass: no reshapes, each a few us of an eager decode step)
+    hidden2d = hidden if flat else hidden.reshape(-1, hidden.shape[-1])
+    ids2d = topk_ids if topk_ids.dim() == 2 else topk_ids.reshape(-1, topk_ids.shape[-1])
+    w2d = topk_weights if topk_weights.dim() == 2 else topk_weights.reshape(-1, topk_weights.shape[-1])
     if use_triton(hidden, gate_up_w, down_w):
         out = fused_experts_triton(
             hidden2d, gate_up_w, down_w, ids2d, w2d, gate_up_bias=gate_up_bias, down_bias=down_bias,
             interleaved=interleaved, activation=activation, path=path,
         )  # fmt: skip
-    else:
-        out = fused_experts_ref(
+    else:  # the torch path: grouped on the host for CPU tensors (reads the ids, free there), else the reference
+        torch_path = fused_experts_cpu if hidden.is_cpu else fused_experts_ref
+        out = torch_path(
             hidden2d, gate_up_w, down_w, ids2d, w2d, gate_up_bias=gate_up_bias, down_bias=down_bias,
             interleaved=interleaved, activation=activation,
         )  # fmt: skip
     # always a fresh tensor (custom ops may not return an alias of an input)
-    return out.reshape(*lead, hidden.shape[-1])
+    return out if flat else out.reshape(*hidden.shape[:-1], hidden.shape[-1])
 
 
 @_fused_experts_op.register_fake
