@@ -49,11 +49,16 @@ def _pct(values, q):
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None):
+def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_graph=None):
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cb = ContinuousBatchingConfig(max_memory_percent=max_memory_percent, num_blocks=num_blocks)
+    cb = ContinuousBatchingConfig(max_memory_percent=max_memory_percent, num_blocks=num_blocks,
+                                  use_cuda_graph=cuda_graph)
+    captures = []
+    if torch.cuda.is_available():  # count the engine's graph captures (each new padded step size is one)
+        begin = torch.cuda.CUDAGraph.capture_begin
+        torch.cuda.CUDAGraph.capture_begin = lambda self, *a, **k: captures.append(1) or begin(self, *a, **k)
     device = model.get_input_embeddings().weight.device
     manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
     manager.start()
@@ -70,6 +75,8 @@ def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None):
         wall = time.perf_counter() - start
     finally:
         manager.stop(block=True, timeout=60)
+        if torch.cuda.is_available():
+            torch.cuda.CUDAGraph.capture_begin = begin
     failed = [r for r in results.values() if r.error]
     tokens = sum(len(r.generated_tokens) for r in results.values() if not r.error)
     ttft, tpot = [], []
@@ -85,6 +92,8 @@ def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None):
         "output_tokens": tokens, "wall_s": wall, "output_tok_per_s": tokens / wall,
         "ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
         "tpot_ms": {"p50": _pct([t * 1e3 for t in tpot], 50), "p99": _pct([t * 1e3 for t in tpot], 99)},
+        "tpot_ms_all": sorted(round(t * 1e3, 3) for t in tpot),
+        "cuda_graph": str(manager.continuous_batching_config.use_cuda_graph), "graph_captures": len(captures),
         "num_blocks": manager.continuous_batching_config.num_blocks,
         "page_size": manager.continuous_batching_config.page_size,
     }
@@ -131,6 +140,8 @@ def main(argv=None):
     p.add_argument("--max-memory-percent", type=float, default=0.8)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=32, help="requests of an untimed run first (kernel compiles)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="continuous batching without the engine's graphs")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--dry-run", action="store_true", help="tiny preset on CPU, a dozen short requests")
@@ -152,11 +163,14 @@ def main(argv=None):
     import transformers
 
     result["transformers"], result["torch"] = transformers.__version__, torch.__version__
-    result["fused_cb"] = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks)
+    graphs = False if args.no_cuda_graph else None
+    if args.warmup:
+        run_cb(fused, prompts[:args.warmup], outputs[:args.warmup], args.max_memory_percent, args.num_blocks, graphs)
+    result["fused_cb"] = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs)
     if device.type == "cuda":
         result["fused_cb"]["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
         result["fused_cb"]["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
-    print(json.dumps(result["fused_cb"]), flush=True)
+    print(json.dumps({k: v for k, v in result["fused_cb"].items() if k != "tpot_ms_all"}), flush=True)
     n_static = args.static_requests or args.requests
     result["fused_static"] = run_static(fused, prompts[:n_static], outputs[:n_static], args.static_batch)
     print(json.dumps(result["fused_static"]), flush=True)
@@ -180,10 +194,15 @@ def main(argv=None):
         import matplotlib.pyplot as plt
 
         names = [k for k in ("fused_cb", "fused_static", "native_static") if k in result]
-        plt.bar(names, [result[k]["output_tok_per_s"] for k in names])
-        plt.ylabel("output tokens/s")
-        plt.title(f"{args.preset}, {args.requests} requests")
-        plt.savefig(args.plot, dpi=120, bbox_inches="tight")
+        fig, (bars, cdf) = plt.subplots(1, 2, figsize=(11, 4))
+        bars.bar(names, [result[k]["output_tok_per_s"] for k in names])
+        bars.set_ylabel("output tokens/s")
+        bars.set_title(f"{args.preset}, {args.requests} requests")
+        tpot = result["fused_cb"]["tpot_ms_all"]
+        cdf.plot(tpot, [(i + 1) / len(tpot) for i in range(len(tpot))])
+        cdf.set_xlabel("TPOT (ms), fused + continuous batching")
+        cdf.set_ylabel("share of requests")
+        fig.savefig(args.plot, dpi=120, bbox_inches="tight")
 
 
 if __name__ == "__main__":

@@ -252,3 +252,94 @@ def test_decode_tokens_through_the_triton_decode_kernel(monkeypatch):
     monkeypatch.setattr(md, "mla_decode_triton", lambda *a, **k: launches.append(a[1].shape[1]) or real(*a, **k))
     _check_batch(native, fused, _prompts([3, 9, 5], seed=11), _greedy(3), _cb_config())
     assert 1 in launches  # pages of one token: the ragged decode path, not only the engine-free ones
+
+
+# ---- the device path (no host read; what a GPU runs and the engine captures in CUDA graphs) --------------------------
+
+@pytest.fixture
+def device_path(monkeypatch):
+    """The device path on CPU tensors, with the host-bounded path made unreachable (a host read would fail)."""
+    from mla_fuser.attention_interfaces import ragged
+
+    def host_read(cu):
+        raise AssertionError("the device path read bounds on the host")
+
+    calls = []
+    real = ragged.ragged_mla_attention_on_device
+    monkeypatch.setattr(ragged, "DEVICE_PATH_ON_CPU", True)
+    monkeypatch.setattr(ragged, "host_bounds", host_read)
+    monkeypatch.setattr(ragged, "ragged_mla_attention_on_device", lambda *a: calls.append(a[1].shape) or real(*a))
+    yield calls
+    assert calls, "no step took the device path"
+
+
+@needs_cb
+@pytest.mark.parametrize("arch,q_lora_rank", [("deepseek_v2", 24), ("deepseek_v3", None)])
+def test_device_path_equals_native_per_request(device_path, arch, q_lora_rank):
+    native, fused = _pair(arch, q_lora_rank=q_lora_rank)
+    _check_batch(native, fused, _prompts([1, 3, 17, 40, 5, 63, 2], seed=3), _greedy(6), _cb_config())
+
+
+@needs_cb
+def test_device_path_chunked_prefill_beside_decodes_equals_native(device_path):
+    native, fused = _pair()
+    _check_batch(native, fused, _prompts([37, 5, 50, 2, 21], seed=12), _greedy(5), _cb_config(max_batch_tokens=16))
+
+
+def test_token_bounds_cover_each_requests_context_causally_and_park_padding():
+    """Three requests (a 3-token chunk after 2 cached rows, a decode token after 4, a fresh 2-token prompt), then two
+    padding sequences of length 0 and two padding query tokens, as a captured step of the engine has them."""
+    from mla_fuser.attention_interfaces import ragged
+
+    cu_q = torch.tensor([0, 3, 4, 6, 6, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 10, 12, 12, 12], dtype=torch.int32)
+    ragged._DEVICE_STEP[:] = [None, None]
+    starts, ends = ragged.token_bounds(cu_q, cu_k, tokens=8)
+    assert starts.tolist() == [0, 0, 0, 5, 10, 10, 0, 0]
+    assert ends.tolist() == [3, 4, 5, 10, 11, 12, 1, 1]
+    again = ragged.token_bounds(cu_q, cu_k, tokens=8)
+    assert again[0] is starts  # one computation per step, shared by the layers
+    cu_q[1] = 2  # the engine rewrites its bounds in place for the next step
+    assert ragged.token_bounds(cu_q, cu_k, tokens=8)[0] is not starts
+
+
+def test_latent_pages_read_the_cache_rows_in_place_and_join_otherwise():
+    from mla_fuser.attention_interfaces import ragged
+
+    latent = torch.randn(128, 10)
+    kv_c, k_pe = latent[None, None, :70, :8], latent[None, None, :70, 8:]
+    pages = ragged.latent_pages(kv_c, k_pe)
+    assert pages.data_ptr() == latent.data_ptr() and pages.shape == (2, 64, 10)
+    assert torch.equal(pages.reshape(-1, 10)[:70], latent[:70])
+    apart = ragged.latent_pages(torch.randn(1, 1, 24, 8), torch.randn(1, 1, 24, 2))
+    assert apart.shape == (3, 8, 10)
+
+
+@needs_cb
+def test_without_page_views_the_engines_own_read_back_is_joined(monkeypatch):
+    from mla_fuser.runtime import continuous_batching as cbm
+
+    native, fused = _pair()
+    asked = []
+    monkeypatch.setattr(cbm, "page_views", lambda allocator, layer: asked.append(layer))
+    _check_batch(native, fused, _prompts([9, 2, 30], seed=5), _greedy(4), _cb_config(max_batch_tokens=16))
+    assert asked
+
+
+@needs_cb
+def test_latent_gather_kernel_equals_its_reference_and_skips_padding(monkeypatch):
+    """The Triton kernel (interpreted) joins K and V halves of the listed slots; rows past the step's count stay
+    untouched (a captured step's padding costs nothing)."""
+    pytest.importorskip("triton")
+    from mla_fuser.kernels.latent_gather import latent_gather, latent_gather_ref
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(0)
+    k_rows, v_rows = torch.randn(50, 9, generator=gen), torch.randn(50, 9, generator=gen)
+    index = torch.randint(0, 50, (37,), generator=gen)
+    out = torch.full((40, 18), 7.0)
+    latent_gather(k_rows, v_rows, index, torch.tensor([30], dtype=torch.int32), out)
+    want = latent_gather_ref(k_rows, v_rows, index, None, torch.zeros(40, 18))
+    assert torch.equal(out[:30], want[:30])
+    assert torch.all(out[30:] == 7.0)

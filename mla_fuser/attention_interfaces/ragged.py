@@ -10,6 +10,13 @@ ones).  The requests are computed as what they are:
 * each **prefill chunk** on its own, attending its own context only: K/V expanded for that context (compute-bound),
   never for the whole step, and no mask wider than the chunk's own ``[q, k]`` is built.
 Both go through ``vllm_mla.fused_mla_attention``, so adapters, sinks and the exact fallbacks behave as elsewhere.
+That path reads the request bounds on the host (one sync per step) and sizes its work from them: right on a CPU.
+
+On a GPU the step runs **without any host read** (:func:`ragged_mla_attention_on_device`), so the engine can
+capture it in a CUDA graph: every query token, prefill or decode, is one absorbed query of the ``mla_decode``
+kernel over the step's latent rows, attending the rows ``[start, end)`` of its own request up to its own position
+(the kernel's per-row ``starts`` / ``seq_lens``).  Token-to-request bounds are computed on the device from
+``cu_seq_lens_q/k``; grid and split count follow from the (padded) shapes only.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import torch
 
 _STEP_MEMO: dict = {}  # what every layer of one step shares, computed once per step (see ``_memo``)
+_DEVICE_STEP: list = [None, None]  # (key, per-token bounds) of the latest device step (see ``token_bounds``)
 
 
 def _memo(key, make):
@@ -166,3 +174,83 @@ def _latent_rows(kv_c, k_pe) -> torch.Tensor:
             and c.stride(0) == c.shape[-1] + p.shape[-1]):
         return c.as_strided((c.shape[0], 1, c.stride(0)), (c.stride(0), c.stride(0), 1))
     return torch.cat([c, p.to(c.dtype)], dim=-1).unsqueeze(1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The device path: no host read, CUDA-graph capturable
+# --------------------------------------------------------------------------------------------------------------------
+
+# The device path on CPU tensors too (tests check it against the host path and native there)
+DEVICE_PATH_ON_CPU = False
+
+
+def runs_on_device(query: torch.Tensor) -> bool:
+    """Whether a step takes the device path: on accelerators (the engine may capture it), on a CPU only when asked."""
+    return not query.is_cpu or DEVICE_PATH_ON_CPU
+
+
+def token_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(starts, ends)`` int32 ``[tokens]``: the latent rows ``[start, end)`` query token ``t`` attends — its own
+    request's context (rows ``cu_k[r] .. cu_k[r + 1]``), causally up to its own position (a request's new tokens
+    are the last rows of its context).  Computed on the device; tokens past the last request (the engine pads a
+    captured step's queries) get the one row ``[0, 1)``, whose output is never read.
+
+    Every layer of a step asks the same question: the answer is kept for the latest step, keyed by the bounds
+    tensors' storage and version (the engine rewrites them in place between steps) and by whether a CUDA graph is
+    being captured (a capture must record the computation, not reuse what an eager warm-up left)."""
+    capturing = cu_q.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = (cu_q.data_ptr(), cu_q._version, cu_q.shape[0], cu_k.data_ptr(), cu_k._version, cu_k.shape[0], tokens,
+           capturing)
+    if _DEVICE_STEP[0] == key:
+        return _DEVICE_STEP[1]
+    requests = cu_q.shape[0] - 1
+    t = torch.arange(tokens, device=cu_q.device, dtype=torch.int32)
+    r = torch.searchsorted(cu_q[1:].contiguous(), t, right=True, out_int32=True)
+    valid = r < requests
+    r = r.clamp(max=max(requests - 1, 0)).long()
+    q_start, q_end, k_start, k_end = cu_q[r], cu_q[r + 1], cu_k[r], cu_k[r + 1]
+    ends = k_end - (q_end - q_start) + (t - q_start) + 1  # the context's end, less the request's later queries
+    starts = torch.where(valid, k_start, 0).to(torch.int32)
+    ends = torch.where(valid, torch.maximum(ends, k_start + 1), 1).to(torch.int32)
+    _DEVICE_STEP[:] = [key, (starts, ends)]
+    return starts, ends
+
+
+# Rows per page of the view the decode kernel reads (a captured step's row count is a multiple of it; other counts
+# take the largest power of two that divides them).
+LATENT_PAGE = 64
+
+
+def latent_pages(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """``[rows / P, P, rank + rope]``: the step's latent rows as pages of ``P`` rows, read in place when ``kv_c``
+    and ``k_pe`` are the two column ranges of one row tensor (as ``LatentPagedAttentionCache.update`` returns them,
+    with room for a whole last page), else joined once."""
+    c, p = kv_c[0, 0], k_pe[0, 0]
+    rows, width = c.shape[0], c.shape[-1] + p.shape[-1]
+    base = c._base
+    if (base is not None and p._base is base and c.stride(-1) == 1 and p.stride(-1) == 1
+            and c.stride(0) == p.stride(0) and p.data_ptr() == c.data_ptr() + c.shape[-1] * c.element_size()
+            and base.dim() == 2 and base.data_ptr() == c.data_ptr() and base.stride(0) == c.stride(0)):
+        stride, capacity = c.stride(0), base.shape[0]
+    else:
+        stride, capacity = width, rows
+        joined = torch.cat([c, p.to(c.dtype)], dim=-1)
+        c = joined
+    page = LATENT_PAGE if capacity % LATENT_PAGE == 0 else (capacity & -capacity)
+    page = min(page, LATENT_PAGE)
+    pages = max(1, -(-rows // page))
+    if pages * page > capacity:
+        page, pages = 1, rows
+    return c.as_strided((pages, page, width), (page * stride, stride, 1))
+
+
+def ragged_mla_attention_on_device(decode, query, kv_c, k_pe, cu_q: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
+    """``[1, Tq, H, v]`` with no host read: ``decode(queries [Tq, H, 1, qk], pages, block_table, seq_lens, starts)``
+    (the paged decode kernel with absorbed weights) runs every query token over the rows of its own request.  The
+    block table lists the step's pages in order for every token (one row, broadcast)."""
+    tokens = query.shape[2]
+    starts, ends = token_bounds(cu_q, cu_k, tokens)
+    pages = latent_pages(kv_c, k_pe)
+    table = torch.arange(pages.shape[0], device=query.device, dtype=torch.int32).expand(tokens, -1)
+    queries = query[0].transpose(0, 1).unsqueeze(2)  # [Tq, H, 1, qk]
+    return decode(queries, pages, table, ends, starts).transpose(0, 1)  # [Tq, 1, H, v] -> [1, Tq, H, v]

@@ -35,7 +35,7 @@ from ..cache import PAGED_ATTR
 from ..plans import plan_of
 from ..graph import is_plain_linear
 from .paged import gathered_latent, paged_decode
-from .ragged import ragged_mla_attention
+from . import ragged
 from ..kernels.mla_attention import masked_softmax, mla_attention
 
 try:  # tensor parallelism shards parameters as DTensors
@@ -370,12 +370,19 @@ def _ragged(module, query, kv_c, k_pe, scaling, dropout, softcap, extra, kwargs,
             and not (dropout and module.training)):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
 
-        def decode(queries, pages, block_table, seq_lens):  # the paged decode kernel over the step's latent rows
+        def decode(queries, pages, block_table, seq_lens, starts=None):  # the paged kernel over the step's rows
             rows = types.SimpleNamespace(pages=pages, block_table=block_table, seq_lens=seq_lens)
             return with_absorbed_weights(kv_b, plan.match, queries.shape[1], lambda w_uk, w_uv, b_v: paged_decode(
-                queries, rows, scale, w_uk, w_uv, b_v, plan.match))
+                queries, rows, scale, w_uk, w_uv, b_v, plan.match, starts=starts))
 
-    return ragged_mla_attention(attend, query, kv_c, k_pe, kwargs["cu_seq_lens_q"], cu_k, decode)
+        if ragged.runs_on_device(query):  # no host read: a step the engine can capture in a CUDA graph
+            return ragged.ragged_mla_attention_on_device(decode, query, kv_c, k_pe, kwargs["cu_seq_lens_q"], cu_k)
+    elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"vllm_mla: {type(module).__name__} cannot attend a captured continuous-batching step (its kv_b_proj "
+            f"carries adapters or it uses sinks / a window / softcapping, which need the host-bounded path)"
+        )
+    return ragged.ragged_mla_attention(attend, query, kv_c, k_pe, kwargs["cu_seq_lens_q"], cu_k, decode)
 
 
 def _expanded_for_weights(module, query, kv_c, k_pe):

@@ -33,6 +33,8 @@ import types
 import torch
 
 from ..compat import ATTENTION_NAME, FEATURE_MIN_VERSION, attention_implementation
+from ..attention_interfaces.ragged import LATENT_PAGE
+from ..kernels.latent_gather import latent_gather
 from ..plans import model_state, plan_of
 
 MIN_VERSION = FEATURE_MIN_VERSION["continuous batching"]
@@ -89,6 +91,43 @@ def latent_rows(config, width: int):
                 config.__dict__[n] = v
 
 
+# Padding of a captured step (each padded size is one CUDA graph of the engine): query tokens to multiples of this
+# many, and the rows read to the whole pool (their gather is sized by the real count on the device, so one size
+# serves every step; see ``kernels.latent_gather``).  Applied only where the caller left the engine's defaults.
+Q_PADDING_INTERVAL = 256
+KV_PADDING_INTERVAL = 1 << 40
+
+
+def steps_graphs(config, model) -> None:
+    """Let the engine capture its steps in CUDA graphs (varlen path) on a GPU when every fused MLA layer attends on
+    the device path (``attention_interfaces.ragged``: no host read); the caller's explicit ``use_cuda_graph=False``
+    is kept.  Adapters on ``kv_b_proj`` need the host-bounded path: no graphs then."""
+    from ..graph.queries import is_plain_linear
+
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    capturable = on_gpu and all(is_plain_linear(p.kv_b(m)) for m in model.modules()
+                                if (p := plan_of(m, "mla")) is not None)
+    asked = config.use_cuda_graph
+    varlen = (asked if isinstance(asked, bool) else asked[0]) if asked is not None else True
+    varlen = bool(varlen) and capturable
+    # (releases whose config has no per-path switch take one boolean; block-table decode is off either way)
+    config.use_cuda_graph = (varlen, False) if hasattr(config, "cuda_graph_booleans") else varlen
+    if varlen:
+        for name, default in (("q_padding_interval_size", Q_PADDING_INTERVAL),
+                              ("kv_padding_interval_size", KV_PADDING_INTERVAL)):
+            if getattr(config, name, None) == 0:
+                setattr(config, name, default)
+        if getattr(config, "use_async_batching", False) is None:
+            config.use_async_batching = True  # the host prepares the next step while the graph runs
+
+
+def page_views(allocator, layer_idx: int):
+    """``(k_pages, v_pages)`` of one layer (the views the engine hands its block-table kernels), or None on a
+    release whose allocators do not offer them."""
+    views = getattr(allocator, "get_cache_for_block_table", None)
+    return None if views is None else views(layer_idx)
+
+
 @functools.cache
 def latent_cache_class():
     """Our subclass of the engine's cache (made once, on first use: the engine is imported lazily)."""
@@ -106,13 +145,35 @@ def latent_cache_class():
         def update(self, key_states, value_states, layer_idx, kwargs):
             if kwargs.get("block_table") is not None:
                 raise RuntimeError("latent pages cannot take CB's block-table (flash) decode path")
-            half = math.ceil((self.rank + self.rope) / 2)
-            row = torch.cat([key_states, value_states.to(key_states.dtype)], dim=-1)
-            row = torch.nn.functional.pad(row, (0, 2 * half - row.shape[-1]))
-            k_half, v_half = (t.contiguous() for t in row.split(half, dim=-1))
-            k_half, v_half = super().update(k_half, v_half, layer_idx, kwargs)
-            latent = torch.cat([k_half, v_half], dim=-1)
-            return latent[..., : self.rank], latent[..., self.rank: self.rank + self.rope]
+            rank, width = self.rank, self.rank + self.rope
+            half = math.ceil(width / 2)
+            tokens = key_states.shape[2]
+            row = key_states.new_empty(tokens, 2 * half)  # the new tokens' latent rows (the two halves are views)
+            row[:, :rank] = key_states[0, 0]
+            row[:, rank:width] = value_states[0, 0]
+            if width < 2 * half:
+                row[:, width:] = 0
+            read_index, before = kwargs["read_index"], dict(kwargs)
+            written = dict(kwargs, read_index=[i[:0] for i in read_index])  # the engine's update only writes
+            super().update(row[None, None, :, :half], row[None, None, :, half:], layer_idx, written)
+            kwargs["cu_seq_lens_k"], kwargs["max_length_k"] = written["cu_seq_lens_k"], written["max_length_k"]
+            allocator = self.layer_to_allocator[layer_idx]
+            index = read_index[allocator.index]
+            if index.numel() == 0:  # nothing cached is read (fresh prompts only): the new rows are the context
+                latent, rows = row, tokens
+            elif (views := page_views(allocator, layer_idx)) is None:  # (the engine's own read-back, joined)
+                k_half, v_half = super().update(row[None, None, :, :half], row[None, None, :, half:], layer_idx,
+                                                before)
+                latent, rows = torch.cat([k_half[0, 0], v_half[0, 0]], dim=-1), index.shape[0]
+            else:
+                # every context's rows joined once, with room for a whole last page of the decode kernel's view
+                # (``ragged.latent_pages`` reads it in place); only the rows the step reads are gathered
+                k_pages, v_pages = views
+                rows = index.shape[0]
+                latent = row.new_empty(-(-rows // LATENT_PAGE) * LATENT_PAGE, 2 * half)
+                latent_gather(k_pages.reshape(-1, half), v_pages.reshape(-1, half), index,
+                              kwargs["cu_seq_lens_k"][-1:], latent)
+            return latent[None, None, :rows, :rank], latent[None, None, :rows, rank:width]
 
     return LatentPagedAttentionCache
 
@@ -129,8 +190,8 @@ def manager_class():
         def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None):
             self.latent = latent_layout(model)
             config = copy.copy(continuous_batching_config)  # (the caller's object stays as it was)
-            # CB's flash block-table decode and its CUDA graphs run CB's own kernels, not ours
-            config.max_blocks_per_request, config.use_cuda_graph = 0, False
+            config.max_blocks_per_request = 0  # CB's block-table decode runs flash kernels, not ours
+            steps_graphs(config, model)
             with latent_rows(model.config.get_text_config(), sum(self.latent)):
                 super().__init__(model, generation_config, config, workload_hints)
             self.continuous_batching_config.max_blocks_per_request = 0
