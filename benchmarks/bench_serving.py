@@ -49,12 +49,12 @@ def _pct(values, q):
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_graph=None):
+def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_graph=None, max_batch_tokens=None):
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(max_memory_percent=max_memory_percent, num_blocks=num_blocks,
-                                  use_cuda_graph=cuda_graph)
+                                  use_cuda_graph=cuda_graph, max_batch_tokens=max_batch_tokens)
     captures = []
     if torch.cuda.is_available():  # count the engine's graph captures (each new padded step size is one)
         begin = torch.cuda.CUDAGraph.capture_begin
@@ -141,6 +141,7 @@ def main(argv=None):
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=32, help="requests of an untimed run first (kernel compiles)")
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per engine step (engine default 8192)")
     p.add_argument("--no-cuda-graph", action="store_true", help="continuous batching without the engine's graphs")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
@@ -165,8 +166,11 @@ def main(argv=None):
     result["transformers"], result["torch"] = transformers.__version__, torch.__version__
     graphs = False if args.no_cuda_graph else None
     if args.warmup:
-        run_cb(fused, prompts[:args.warmup], outputs[:args.warmup], args.max_memory_percent, args.num_blocks, graphs)
-    result["fused_cb"] = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs)
+        run_cb(fused, prompts[:args.warmup], outputs[:args.warmup], args.max_memory_percent, args.num_blocks, graphs,
+               args.max_batch_tokens)
+    result["fused_cb"] = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs,
+                                args.max_batch_tokens)
+    result["fused_cb"]["max_batch_tokens"] = args.max_batch_tokens or "engine default (8192)"
     if device.type == "cuda":
         result["fused_cb"]["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
         result["fused_cb"]["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
