@@ -12,6 +12,7 @@ from . import compat, envs
 from .fusers.base import FusionReport, FusionRow
 from .fusers import MambaFuser, MoEFuser, NormFuser
 from .fusers.mla import MLAFuser, apply_mla
+from .fusers.fp8 import fuse_fp8_linears
 from .graph import TRACE_LOCK, is_linear, rmsnorm_width
 from .plans import model_state, plan_of
 from .runtime import extend_continuous_batching, extend_generate
@@ -145,6 +146,9 @@ def _fuse(model: nn.Module) -> FusionReport:
         if not _warned_disabled:
             warnings.warn(f"{flag}: mla-fuser runs padded full attention, no MLA fusion", stacklevel=2)
             _warned_disabled = True
+    # FP8 (issue 15): block-FP8 linears run on our kernels before anything runs the model (the capture below
+    # calls them; Transformers' own FP8Linear forward needs a Hub download)
+    report.rows.extend(fuse_fp8_linears(model))
     block_fusers = BLOCK_FUSERS
     block_names = {f: [n for n, m in model.named_modules() if n and f.is_candidate(m)] for f in block_fusers}
     disabled_by_version = compat.disabled_features()

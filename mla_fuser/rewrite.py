@@ -34,6 +34,8 @@ from torch import nn
 
 from .compat import ATTENTION_NAME, attention_implementation, tensor_parallel_hooked
 from .graph import is_plain_linear
+from .kernels.fp8 import block_fp8_layout, block_fp8_linear
+from .kernels.fp8.format import SCALE_NAME
 
 
 class RewriteError(Exception):
@@ -89,6 +91,7 @@ class StackedLinear:
         self.owner, self.names = owner, names
         self.weight = None
         self.bias = None
+        self.fp8_scale = self.fp8_block = None  # FP8 (issue 15): the stacked block scales, when stacked
         self.restack()
 
     def _current(self) -> tuple[nn.Module, nn.Module]:
@@ -106,6 +109,7 @@ class StackedLinear:
             and a.data_ptr() == w.data_ptr()
             and b.data_ptr() == w.data_ptr() + self.sizes[0] * w.shape[1] * w.element_size()
             and (self.bias is None or (self.first.bias.data_ptr() == self.bias.data_ptr()))
+            and (self.fp8_scale is None or _fp8_scales_aliased(self.first, self.second, self.fp8_scale))
         )
 
     def _direct(self, x: torch.Tensor) -> bool:
@@ -121,13 +125,16 @@ class StackedLinear:
     @torch.no_grad()
     def restack(self) -> None:
         a, b = self.first, self.second
-        self.weight = self.bias = None
+        self.weight = self.bias = self.fp8_scale = self.fp8_block = None
         if not (is_plain_linear(a) and is_plain_linear(b)):
             return
         if a.weight.device.type == "meta" or b.weight.device.type == "meta" or _is_dtensor(a.weight) \
                 or _is_dtensor(b.weight) or a.weight.device != b.weight.device:
             return
+        if fp8_stacking_problem(a, b) is not None:
+            return  # (not stackable: each is called as itself, through its own FP8 forward)
         self.sizes = [a.out_features, b.out_features]
+        self._stack_fp8_scales(a, b)
         weight = torch.cat([a.weight.detach(), b.weight.detach()], dim=0)
         a.weight.data = weight[: self.sizes[0]]
         b.weight.data = weight[self.sizes[0]:]
@@ -143,6 +150,19 @@ class StackedLinear:
             if b.bias is not None:
                 b.bias.data = bias[self.sizes[0]:]
             self.bias = bias
+
+    @torch.no_grad()
+    def _stack_fp8_scales(self, a: nn.Module, b: nn.Module) -> None:
+        """FP8 (issue 15): block scales stacked like the weights (block rows stay aligned: ``fp8_stacking_problem``),
+        the originals' scales becoming views of the stack."""
+        layout = block_fp8_layout(a)
+        if layout is None:
+            return
+        scales = [getattr(lin, SCALE_NAME) for lin in (a, b)]
+        stacked = torch.cat([t.detach() for t in scales], dim=0)
+        rows = scales[0].shape[0]
+        scales[0].data, scales[1].data = stacked[:rows], stacked[rows:]
+        self.fp8_scale, self.fp8_block = stacked, layout.block
 
     def __call__(self, x: torch.Tensor):
         first, second = self._current()
@@ -160,6 +180,11 @@ class StackedLinear:
         if self.weight is None:  # weights that cannot be stacked
             return first(x), second(x)
         weight = self.weight
+        if self.fp8_scale is not None:  # FP8 (issue 15): one block-FP8 GEMM over the stacked weight and scales
+            if torch.is_grad_enabled() and x.requires_grad:
+                return first(x), second(x)
+            out = block_fp8_linear(x, weight, self.fp8_scale, self.fp8_block, self.bias)
+            return tuple(out.split(self.sizes, dim=-1))
         if first.weight.requires_grad and torch.is_grad_enabled():
             # training: gradients must reach the original parameters, so use them (a cat, not a view)
             weight = torch.cat([first.weight, second.weight])
@@ -172,6 +197,34 @@ class StackedLinear:
         # the owner is usually being copied already (its ``__dict__`` holds this object): ``memo`` has its copy
         return StackedLinear(copy.deepcopy(self.first, memo), copy.deepcopy(self.second, memo),
                              copy.deepcopy(self.owner, memo), self.names)
+
+
+def fp8_stacking_problem(first: nn.Module, second: nn.Module) -> str | None:
+    """Why two down-projections cannot share one block-FP8 GEMM, or None (also None when neither is FP8).
+
+    Stacking concatenates the weights along the output rows and the block scales likewise, so every block of the
+    second projection must start on a block boundary of the stack: the first's output rows must be a whole number of
+    blocks, and both must use the same block size (a per-tensor scale cannot be shared)."""
+    layouts = block_fp8_layout(first), block_fp8_layout(second)
+    if layouts == (None, None):
+        return None
+    a, b = layouts
+    if a is None or b is None:
+        return "one down-projection is block-FP8 and the other is not"
+    if a.per_tensor or b.per_tensor:
+        return "per-tensor FP8 scales cannot be shared by a stacked GEMM"
+    if a.block != b.block:
+        return f"block sizes differ ({a.block} vs {b.block})"
+    if a.out_features % a.block_n:
+        return (f"the first down-projection's {a.out_features} output rows are not a whole number of "
+                f"{a.block_n}-row scale blocks: the stacked blocks would not align")
+    return None
+
+
+def _fp8_scales_aliased(first: nn.Module, second: nn.Module, stacked: torch.Tensor) -> bool:
+    a, b = getattr(first, SCALE_NAME, None), getattr(second, SCALE_NAME, None)
+    return (a is not None and b is not None and a.data_ptr() == stacked.data_ptr()
+            and b.data_ptr() == stacked.data_ptr() + a.numel() * stacked.element_size())
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -100,15 +100,24 @@ def with_absorbed_weights(kv_b, m, heads: int, fn):
     """``fn(w_uk, w_uv, b_v)`` on the absorbed views of ``kv_b``'s weight (``absorbed_weights``), inside
     ``kv_b_params`` when a hook loads the weight or it is a shard; a plain weight's views are made once and reused
     (an eager decode step spends host time, not compute, on such small ops)."""
+    from ..kernels.fp8.format import FP8_DTYPE, SCALE_NAME  # FP8 kv_b_proj (issue 15)
+    from ..kernels.fp8.quant import compute_dtype, dequantized_weight
+
     plain = None if torch.compiler.is_compiling() else _plain_params(kv_b)
     if plain is None:
         with kv_b_params(kv_b) as (weight, bias):
-            return fn(*absorbed_weights(weight, bias, m, heads))
+            # FP8 (issue 15): a block-FP8 kv_b_proj's weight is dequantised (here per call: nothing to cache by)
+            return fn(*absorbed_weights(dequantized_weight(kv_b, weight), bias, m, heads))
     weight, bias = plain
     key = (weight.data_ptr(), weight.shape, weight.dtype, None if bias is None else bias.data_ptr(), heads)
+    if weight.dtype == FP8_DTYPE:  # FP8 (issue 15): its scales and the dtype it is dequantised into count too
+        scale = getattr(kv_b, SCALE_NAME, None)
+        key += (None if scale is None else scale.data_ptr(), compute_dtype(kv_b))
     cached = _ABSORBED.get(kv_b)
     if cached is None or cached[0][0] is not weight or cached[0][1] is not bias or cached[1] != key:
-        cached = _ABSORBED[kv_b] = ((weight, bias), key, absorbed_weights(weight, bias, m, heads))
+        # FP8: W_UK/W_UV come from the weight dequantised once (here, at the first absorbed call) and kept
+        cached = _ABSORBED[kv_b] = ((weight, bias), key,
+                                    absorbed_weights(dequantized_weight(kv_b, weight), bias, m, heads))
     return fn(*cached[2])
 
 

@@ -323,7 +323,8 @@ def _wrapped(module: nn.Module, *roles: str | None) -> list[str]:
 
 def apply_mla(module: nn.Module, match: MLAMatch, qualname: str) -> FusionRow:
     """Rewrite this instance's forward; on any doubt leave it untouched and return a fallback row."""
-    from ..rewrite import RewriteError, rewrite_mla_forward
+    from ..kernels.fp8 import block_fp8_layout
+    from ..rewrite import RewriteError, fp8_stacking_problem, rewrite_mla_forward
 
     row = FusionRow(qualname, type(module).__name__, "mla", "fallback")
     if not match.rewritable:
@@ -343,7 +344,15 @@ def apply_mla(module: nn.Module, match: MLAMatch, qualname: str) -> FusionRow:
     if not match.has_q_lora:
         row.reason += ", no q-LoRA"
     else:
-        row.reason += f", q-LoRA {match.q_lora_rank}" + ("" if down else " stacked with KV down-projection")
+        # FP8 (issue 15): block-FP8 down-projections stack only when their scale blocks stay aligned
+        fp8_problem = None if down else fp8_stacking_problem(*(module.get_submodule(n)
+                                                               for n in (match.q_a_proj, match.kv_a_proj)))
+        stacked = "" if down else (f" not stacked ({fp8_problem}): each projection runs its own block-FP8 GEMM"
+                                   if fp8_problem else " stacked with KV down-projection")
+        row.reason += f", q-LoRA {match.q_lora_rank}" + stacked
+    if not kv_b and block_fp8_layout(module.get_submodule(match.kv_b_proj)) is not None:  # FP8 (issue 15)
+        row.reason += ("; block-FP8 kv_b_proj: W_UK/W_UV dequantised once (at the first absorbed call, kept while "
+                       "the weight is) for absorbed attention, the expansion runs the block-FP8 GEMM")
     if down:
         row.reason += f"; adapters on {', '.join(down)}: called as themselves, not stacked"
     if kv_b:

@@ -1,0 +1,282 @@
+"""Block-FP8 (DeepSeek-format) linears: kernels against their torch references, recognition by structure (and the
+declines, with reasons), fused tiny DeepSeek-V2/V3 models against a reference holding the same weights dequantised
+in fp32, the checkpoint format kept through ``state_dict``/``save_pretrained``, and FP8 on demand on a CPU.
+
+FP8 modules are made by Transformers' own ``replace_with_fp8_linear`` and filled with weights quantised here (block
+sizes dividing the dims and not).  Kernels: both Triton kernels run under ``TRITON_INTERPRET=1`` (Triton 3.9's
+interpreter loads, converts and multiplies float8); the model tests run the CPU path (the torch reference).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mla_fuser
+from mla_fuser.fusers import FP8LinearFuser
+from mla_fuser.kernels.fp8 import (block_fp8_linear_act_quant_ref, block_fp8_linear_ref, dequantize_block_fp8,
+                                   explain_block_fp8, quantize_block_fp8)
+from mla_fuser.kernels.fp8 import linear as fp8_linear
+from mla_fuser.kernels.fp8.quant import quantize_token_groups_ref
+from mla_fuser.rewrite import STACKED_ATTR
+
+from conftest import tiny_deepseek
+
+transformers = pytest.importorskip("transformers")
+from transformers import FineGrainedFP8Config  # noqa: E402
+from transformers.integrations.finegrained_fp8 import FP8Linear, replace_with_fp8_linear  # noqa: E402
+
+SKIP = ["lm_head", "experts"]  # the output head stays as checkpoints keep it; expert stacks have no FP8 path yet
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# kernels
+
+
+@pytest.mark.parametrize("m,n,k,block", [(3, 40, 72, (16, 32)), (5, 64, 128, (32, 64)), (1, 100, 96, None),
+                                         (17, 48, 64, (16, 16))])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_weight_only_kernel_matches_reference(monkeypatch, m, n, k, block, splits):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(m * n + k)
+    weight, scale = quantize_block_fp8(torch.randn(n, k, generator=gen), block)
+    x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+    bn, bk = block or (0, 0)
+    out = fp8_linear.w8_linear_triton(x, weight, scale, bias, bn, bk, splits=splits, tiles=(16, 16, 16))
+    ref = block_fp8_linear_ref(x, weight, scale, bn, bk, bias)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
+
+
+@pytest.mark.parametrize("m,n,k,block", [(3, 40, 96, (16, 32)), (20, 64, 128, (32, 64))])
+def test_fp8_tensor_core_kernel_matches_its_reference(monkeypatch, m, n, k, block):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(k)
+    weight, scale = quantize_block_fp8(torch.randn(n, k, generator=gen), block)
+    x = torch.randn(m, k, generator=gen) * 3
+    q, s = fp8_linear.quantize_token_groups(x, block[1])
+    q_ref, s_ref = quantize_token_groups_ref(x, block[1])
+    assert torch.equal(s, s_ref) and torch.equal(q.float(), q_ref.float())
+    out = fp8_linear.fp8_linear_triton(x, weight, scale, None, *block, tiles=(16, 16, 16))
+    ref = block_fp8_linear_act_quant_ref(x, weight, scale, *block)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-5), (out - ref).abs().max()
+    # activation quantisation is what separates it from the weight-only reference: close, not equal
+    weight_only = block_fp8_linear_ref(x, weight, scale, *block)
+    assert not torch.allclose(out, weight_only, atol=1e-4)
+    assert (out - weight_only).norm() < 0.1 * weight_only.norm()
+
+
+def test_dispatch_runs_triton_when_forced(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+    weight, scale = quantize_block_fp8(torch.randn(24, 48), (16, 16))
+    x = torch.randn(2, 3, 48)
+    calls = []
+    real = fp8_linear.w8_linear_triton
+    monkeypatch.setattr(fp8_linear, "w8_linear_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = mla_fuser.kernels.fp8.block_fp8_linear(x, weight, scale, (16, 16))
+    assert calls and out.shape == (2, 3, 24)
+    assert torch.allclose(out, block_fp8_linear_ref(x, weight, scale, 16, 16), atol=1e-5)
+
+
+def test_block_quantisation_error_is_bounded():
+    w = torch.randn(40, 72) * torch.linspace(0.01, 3, 72)
+    for block in ((16, 32), (128, 128), None):
+        q, s = quantize_block_fp8(w, block)
+        assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+        back = dequantize_block_fp8(q, s, block)
+        # e4m3 keeps 3 mantissa bits: relative error <= 2**-4 of each value (above the subnormal range)
+        assert ((back - w).abs() <= w.abs() * 2 ** -4 + s.max() * 2 ** -9).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# recognition by structure, and declines
+
+
+def _fp8_module(n=40, k=72, block=(16, 32)):
+    module = FP8Linear(k, n, block_size=block)
+    q, s = quantize_block_fp8(torch.randn(n, k), block)
+    module.weight, module.weight_scale_inv = nn.Parameter(q, requires_grad=False), nn.Parameter(s, requires_grad=False)
+    return module
+
+
+class _LooksLikeFP8Linear(nn.Module):
+    """No Transformers class, no ``block_size``: recognised by its tensors (128x128 blocks tried first)."""
+
+    def __init__(self, n, k):
+        super().__init__()
+        self.in_features, self.out_features = k, n
+        q, s = quantize_block_fp8(torch.randn(n, k), (128, 128))
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.register_buffer("weight_scale_inv", s)
+
+
+def test_recognised_by_structure_not_by_class():
+    layout, reason = explain_block_fp8(_fp8_module())
+    assert reason == "" and layout.block == (16, 32) and layout.scale_shape == (3, 3)
+    other = _LooksLikeFP8Linear(300, 200)
+    layout, _ = explain_block_fp8(other)
+    assert layout.block == (128, 128)
+    x = torch.randn(4, 200)
+    row = FP8LinearFuser.apply(other, layout, "x")
+    assert row.status == "fused"
+    ref = x @ dequantize_block_fp8(other.weight, other.weight_scale_inv, (128, 128)).T
+    assert torch.allclose(other(x), ref, atol=1e-5)
+    assert not FP8LinearFuser.is_candidate(nn.Linear(4, 4))
+
+
+def test_declines_with_reasons():
+    missing = _fp8_module()
+    del missing.weight_scale_inv
+    assert "scales are missing" in explain_block_fp8(missing)[1]
+    wrong = _fp8_module()
+    wrong.weight_scale_inv = nn.Parameter(torch.ones(2, 3), requires_grad=False)
+    assert "does not fit" in explain_block_fp8(wrong)[1]
+    ue8m0 = _fp8_module()
+    ue8m0.weight_scale_inv = nn.Parameter(torch.ones(3, 3).to(torch.float8_e8m0fnu), requires_grad=False)
+    assert "UE8M0" in explain_block_fp8(ue8m0)[1]
+    fp4 = _fp8_module()
+    fp4.weight = nn.Parameter(torch.zeros(40, 36, dtype=torch.int8), requires_grad=False)
+    assert FP8LinearFuser.is_candidate(fp4) and "FP4" in explain_block_fp8(fp4)[1]
+    embedding = nn.Embedding(10, 8)
+    embedding.weight = nn.Parameter(torch.randn(10, 8).to(torch.float8_e4m3fn), requires_grad=False)
+    assert FP8LinearFuser.is_candidate(embedding) and "not a linear" in explain_block_fp8(embedding)[1]
+    for module in (missing, wrong, ue8m0, fp4, embedding):
+        assert "forward" not in module.__dict__
+
+
+def test_declined_module_is_reported_in_fuse():
+    model = _fp8_model("deepseek_v3", (16, 16), q_lora_rank=32)[1]
+    bad = model.model.layers[0].mlp.down_proj
+    bad.weight_scale_inv = nn.Parameter(torch.ones(1, 1), requires_grad=False)  # wrong grid for [64, 96]
+    report = mla_fuser.fuse(model)
+    row = next(r for r in report.rows if r.qualname == "model.layers.0.mlp.down_proj")
+    assert row.fuser == "fp8" and row.status == "fallback" and "does not fit" in row.reason
+    assert "forward" not in bad.__dict__
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tiny models
+
+
+def _fp8_model(arch, block, **overrides):
+    """``(reference, fp8_model)``: the FP8 model made by Transformers' replacement function and loaded with weights
+    quantised here; the reference (eager, fp32) holds the same weights dequantised."""
+    ref = tiny_deepseek(arch, attn="eager", **overrides)
+    model = copy.deepcopy(ref)
+    replace_with_fp8_linear(model, modules_to_not_convert=SKIP,
+                            quantization_config=FineGrainedFP8Config(weight_block_size=list(block)), pre_quantized=True)
+    state, ref_state = {}, ref.state_dict()
+    for name, module in model.named_modules():
+        if isinstance(module, FP8Linear):
+            q, s = quantize_block_fp8(ref_state[f"{name}.weight"], block)
+            state[f"{name}.weight"], state[f"{name}.weight_scale_inv"] = q, s
+            ref.get_submodule(name).weight.data = dequantize_block_fp8(q, s, block)
+    state.update({k: v for k, v in ref_state.items() if k not in state})
+    model.load_state_dict(state, assign=True, strict=True)
+    return ref, model.eval()
+
+
+CASES = [  # (arch, block, overrides, stacked): q_lora 32 is two 16-row blocks; 24 is not; V2 without q-LoRA
+    ("deepseek_v3", (16, 16), dict(q_lora_rank=32), True),
+    ("deepseek_v3", (16, 16), dict(q_lora_rank=24), False),
+    ("deepseek_v2", (32, 32), dict(q_lora_rank=None), None),
+]
+
+
+@pytest.mark.parametrize("arch,block,overrides,stacked", CASES)
+def test_fused_fp8_model_equals_dequantised_reference(arch, block, overrides, stacked):
+    ref, model = _fp8_model(arch, block, **overrides)
+    before = {k: (v.dtype, v.clone()) for k, v in model.state_dict().items()}
+    report = mla_fuser.fuse(model)
+    fp8_rows = [r for r in report.rows if r.fuser == "fp8"]
+    fp8_modules = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
+    assert sorted(r.qualname for r in fp8_rows) == sorted(fp8_modules) and len(fp8_modules) >= 10
+    assert all(r.status == "fused" for r in fp8_rows)
+    mla_rows = report.fused("mla")
+    assert len(mla_rows) == 2 and all("block-FP8 kv_b_proj" in r.reason for r in mla_rows)
+    attn = model.model.layers[0].self_attn
+    if stacked is True:
+        down = attn.__dict__[STACKED_ATTR]
+        assert down.fp8_scale is not None and "stacked with KV down-projection" in mla_rows[0].reason
+        assert attn.q_a_proj.weight.data_ptr() == down.weight.data_ptr()
+        assert attn.kv_a_proj_with_mqa.weight_scale_inv.data_ptr() == down.fp8_scale[2:].data_ptr()
+    elif stacked is False:
+        assert attn.__dict__[STACKED_ATTR].weight is None
+        assert "not stacked (the first down-projection's 24 output rows" in mla_rows[0].reason
+
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+    out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    expected = ref.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, expected)
+    # the checkpoint's keys, dtypes and scales, untouched by fusion, stacking and decoding
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for key, (dtype, value) in before.items():
+        assert after[key].dtype == dtype and torch.equal(after[key].view(torch.uint8) if dtype.itemsize == 1
+                                                         and dtype.is_floating_point else after[key],
+                                                         value.view(torch.uint8) if dtype.itemsize == 1
+                                                         and dtype.is_floating_point else value), key
+
+
+def test_save_pretrained_round_trip_keeps_fp8(tmp_path):
+    from safetensors.torch import load_file
+
+    dense = dict(q_lora_rank=32, first_k_dense_replace=2)  # (expert stacks are saved per expert: keys differ)
+    ref, model = _fp8_model("deepseek_v3", (16, 16), **dense)
+    mla_fuser.fuse(model)
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = model(ids).logits
+    model.save_pretrained(tmp_path)
+    saved = load_file(str(next(tmp_path.glob("*.safetensors"))))
+    q_a = "model.layers.0.self_attn.q_a_proj"
+    assert saved[f"{q_a}.weight"].dtype == torch.float8_e4m3fn
+    assert saved[f"{q_a}.weight_scale_inv"].dtype == torch.float32 and saved[f"{q_a}.weight_scale_inv"].shape == (2, 4)
+    assert saved.keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert saved[key].dtype == value.dtype and torch.equal(saved[key].float(), value.float()), key
+    # reload into a fresh FP8 model (Transformers' replacement, the saved tensors) and fuse: the same logits
+    fresh = tiny_deepseek("deepseek_v3", attn="eager", seed=5, **dense)
+    replace_with_fp8_linear(fresh, modules_to_not_convert=SKIP,
+                            quantization_config=FineGrainedFP8Config(weight_block_size=[16, 16]), pre_quantized=True)
+    fresh.load_state_dict(saved, assign=True, strict=True)
+    mla_fuser.fuse(fresh)
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(ids).logits, logits)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FP8 on demand
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_fp8_on_demand_for_a_bf16_checkpoint_on_cpu(tmp_path):
+    plain = tiny_deepseek("deepseek_v3", attn="eager", q_lora_rank=32)
+    plain.save_pretrained(tmp_path)
+    config = FineGrainedFP8Config(weight_block_size=[16, 16])
+    # what Transformers does on this machine: refuses (its quantizer needs a GPU or XPU)
+    with pytest.raises(RuntimeError, match="GPU"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config)
+    model = mla_fuser.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, dtype=torch.float32)
+    q_a = model.model.layers[0].self_attn.q_a_proj
+    assert isinstance(q_a, FP8Linear) and q_a.weight.dtype == torch.float8_e4m3fn
+    assert not isinstance(model.lm_head, FP8Linear)
+    report = model.fusion_report
+    assert any("FP8 on demand" in n for n in report.notes)
+    assert report.fused("fp8") and not report.fallbacks("fp8") and len(report.fused("mla")) == 2
+    # equal to the same model with the quantised weights dequantised in fp32
+    for name, module in model.named_modules():
+        if isinstance(module, FP8Linear):
+            plain.get_submodule(name).weight.data = dequantize_block_fp8(module.weight, module.weight_scale_inv,
+                                                                         (16, 16))
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, plain.eval()(ids).logits, atol=1e-5, rtol=1e-4)
+    assert model.config.quantization_config.quant_method == "fp8"
