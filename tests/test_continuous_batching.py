@@ -265,19 +265,74 @@ def device_path(monkeypatch):
         raise AssertionError("the device path read bounds on the host")
 
     calls = []
-    real = ragged.ragged_mla_attention_on_device
+    joined, in_pages = ragged.ragged_mla_attention_on_device, ragged.ragged_mla_attention_in_pages
     monkeypatch.setattr(ragged, "DEVICE_PATH_ON_CPU", True)
     monkeypatch.setattr(ragged, "host_bounds", host_read)
-    monkeypatch.setattr(ragged, "ragged_mla_attention_on_device", lambda *a: calls.append(a[1].shape) or real(*a))
+    monkeypatch.setattr(ragged, "ragged_mla_attention_on_device", lambda *a: calls.append("joined") or joined(*a))
+    monkeypatch.setattr(ragged, "ragged_mla_attention_in_pages", lambda *a: calls.append("pages") or in_pages(*a))
     yield calls
     assert calls, "no step took the device path"
 
 
 @needs_cb
-@pytest.mark.parametrize("arch,q_lora_rank", [("deepseek_v2", 24), ("deepseek_v3", None)])
-def test_device_path_equals_native_per_request(device_path, arch, q_lora_rank):
-    native, fused = _pair(arch, q_lora_rank=q_lora_rank)
+@pytest.mark.parametrize("arch,q_lora_rank,rank,path", [
+    ("deepseek_v2", 24, 16, "joined"),  # latent halves of 8 + 2: rows joined by the gather, then mla_decode
+    ("deepseek_v3", None, 16, "joined"),
+    ("deepseek_v2", 24, 32, "pages"),  # halves of 16 + 2: read in place from the engine's pages
+    ("deepseek_v3", None, 32, "pages"),
+])
+def test_device_path_equals_native_per_request(device_path, arch, q_lora_rank, rank, path):
+    native, fused = _pair(arch, q_lora_rank=q_lora_rank, kv_lora_rank=rank)
     _check_batch(native, fused, _prompts([1, 3, 17, 40, 5, 63, 2], seed=3), _greedy(6), _cb_config())
+    assert set(device_path) == {path}
+
+
+@needs_cb
+def test_split_latent_layout_reads_back_for_the_host_path():
+    """The split K / V half layout (rank 32) read back and joined for the host-bounded path equals native."""
+    native, fused = _pair(kv_lora_rank=32)
+    _check_batch(native, fused, _prompts([37, 5, 50, 2, 21], seed=12), _greedy(5), _cb_config(max_batch_tokens=16))
+
+
+@needs_cb
+def test_in_pages_path_through_the_triton_kernel(monkeypatch, device_path):
+    """The split-row decode kernel (Triton's interpreter) reading the engine's pages in place serves whole steps."""
+    pytest.importorskip("triton")
+    from mla_fuser.kernels import mla_decode_split as ms
+
+    native, fused = _pair(kv_lora_rank=32)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+    launches = []
+    real = ms.mla_decode_split_rows_triton
+    monkeypatch.setattr(ms, "mla_decode_split_rows_triton", lambda *a, **k: launches.append(1) or real(*a, **k))
+    _check_batch(native, fused, _prompts([3, 9, 5], seed=11), _greedy(3), _cb_config())
+    assert launches
+
+
+@pytest.mark.parametrize("rope", [8, 0])
+def test_split_row_kernel_equals_its_reference(monkeypatch, rope):
+    """Interpreted Triton vs the torch twin: rows in scattered slots of a pool whose V halves sit a page after the K
+    halves, several tiles and splits, per-row starts and ends."""
+    pytest.importorskip("triton")
+    from mla_fuser.kernels.mla_decode_split import mla_decode_split_rows, mla_decode_split_rows_ref
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(1)
+    rank, heads, page, blocks = 32, 3, 16, 12
+    half = (rank + rope) // 2
+    pool = torch.randn(blocks * 2 * page, half, generator=gen)
+    k_rows, v_rows = pool[:-page], pool[page:]
+    slots = torch.tensor([b * 2 * page + p for b in range(blocks) for p in range(page)])
+    slots = slots[torch.randperm(len(slots), generator=gen)][:150]
+    q = torch.randn(4, heads, rank + rope, generator=gen)
+    starts = torch.tensor([0, 5, 70, 149], dtype=torch.int32)
+    ends = torch.tensor([150, 66, 140, 150], dtype=torch.int32)
+    want = mla_decode_split_rows_ref(q, k_rows, v_rows, slots, ends, starts, 0.25, rank)
+    for splits in (1, 3):
+        got = mla_decode_split_rows(q, k_rows, v_rows, slots, ends, starts, 0.25, rank, num_splits=splits)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @needs_cb
@@ -343,3 +398,32 @@ def test_latent_gather_kernel_equals_its_reference_and_skips_padding(monkeypatch
     want = latent_gather_ref(k_rows, v_rows, index, None, torch.zeros(40, 18))
     assert torch.equal(out[:30], want[:30])
     assert torch.all(out[30:] == 7.0)
+
+
+@needs_cb
+def test_adapters_on_the_split_layout_read_the_rows_back(monkeypatch):
+    """A LoRA on kv_b_proj keeps a layer off the decode kernels: on the device path with the split layout its rows,
+    only written by the cache, are read back and joined; tokens equal the native model with the same adapters."""
+    peft = pytest.importorskip("peft")
+    from mla_fuser.attention_interfaces import ragged
+    from mla_fuser.runtime import continuous_batching as cbm
+
+    monkeypatch.setattr(ragged, "DEVICE_PATH_ON_CPU", True)
+    joins = []
+    join = cbm.join_split_rows
+    monkeypatch.setattr(cbm, "join_split_rows", lambda *a: joins.append(1) or join(*a))
+
+    def policy(attn):
+        torch.manual_seed(7)
+        return peft.get_peft_model(tiny_deepseek(attn=attn, kv_lora_rank=32), peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=["kv_b_proj"]))
+
+    native, fused = policy("sdpa"), policy("vllm_mla")
+    mla_fuser.fuse(fused)
+    prompts, config = _prompts([6, 11, 3], seed=6), _greedy(5)
+    out = fused.generate_batch(prompts, generation_config=config, continuous_batching_config=_cb_config(),
+                               progress_bar=False)
+    for i, p in enumerate(prompts):
+        assert out[f"req_{i}"].error is None, out[f"req_{i}"].error
+        assert out[f"req_{i}"].generated_tokens == _native_tokens(native, p, config)
+    assert joins  # the written-only rows were read back for the adapter-wrapped layers

@@ -21,6 +21,8 @@ kernel over the step's latent rows, attending the rows ``[start, end)`` of its o
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 
 _STEP_MEMO: dict = {}  # what every layer of one step shares, computed once per step (see ``_memo``)
@@ -254,3 +256,24 @@ def ragged_mla_attention_on_device(decode, query, kv_c, k_pe, cu_q: torch.Tensor
     table = torch.arange(pages.shape[0], device=query.device, dtype=torch.int32).expand(tokens, -1)
     queries = query[0].transpose(0, 1).unsqueeze(2)  # [Tq, H, 1, qk]
     return decode(queries, pages, table, ends, starts).transpose(0, 1)  # [Tq, 1, H, v] -> [1, Tq, H, v]
+
+
+PAGES_ROWS_ATTR = "_mla_fuser_pages_rows"  # set on the kv_c a continuous-batching cache update returns
+
+
+class PagesRows(NamedTuple):
+    """Where a step's context rows lie in the engine's pages: K / V half rows ``[slots, half]`` of one layer, the slot
+    of each context position, and ``read()`` -> ``(kv_c, k_pe)`` of every context joined (for the host path)."""
+
+    k_rows: torch.Tensor
+    v_rows: torch.Tensor
+    slots: torch.Tensor
+    read: Callable
+
+
+def ragged_mla_attention_in_pages(decode_rows, query, cu_q: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
+    """``[1, Tq, H, v]`` with no host read and no copy of the contexts: ``decode_rows(queries [Tq, H, 1, qk], ends,
+    starts)`` runs every query token over the latent rows of its own request where the engine's pages hold them
+    (``kernels.mla_decode_split``; the slot of each context position comes with ``decode_rows``)."""
+    starts, ends = token_bounds(cu_q, cu_k, query.shape[2])
+    return decode_rows(query[0].transpose(0, 1).unsqueeze(2), ends, starts).transpose(0, 1)

@@ -36,7 +36,9 @@ from ..plans import plan_of
 from ..graph import is_plain_linear
 from .paged import gathered_latent, paged_decode
 from . import ragged
+from ..kernels.dispatch import on_device
 from ..kernels.mla_attention import masked_softmax, mla_attention
+from ..kernels.mla_decode_split import mla_decode_split_rows
 
 try:  # tensor parallelism shards parameters as DTensors
     from torch.distributed.tensor import DTensor as _DTensor
@@ -360,38 +362,67 @@ def _ragged(module, query, kv_c, k_pe, scaling, dropout, softcap, extra, kwargs,
         )
     if extra.get("indices") is not None:
         raise NotImplementedError("vllm_mla: DSA top-k selection (indices) under continuous batching is not supported")
+    sinks, window = extra.get("s_aux"), extra.get("sliding_window")
+    plan = plan_of(module, "mla")
+    kv_b = plan.kv_b(module)
+    kernel = (is_plain_linear(kv_b) and sinks is None and window is None and softcap is None
+              and not (dropout and module.training))  # the absorbed decode kernels can serve the step
+    device_path = kernel and ragged.runs_on_device(query)  # no host read: the engine may capture the step
     cb_cache = kwargs.get("cache")
     if cb_cache is not None:  # Transformers 5.19-5.23: the attention function writes the engine's cache itself
         kv_c, k_pe = cb_cache.update(kv_c, k_pe, module.layer_idx, kwargs)  # (narrows cu_seq_lens_k in kwargs)
+    rows = getattr(kv_c, ragged.PAGES_ROWS_ATTR, None)  # the rows were only written: they lie in the engine's pages
+    if rows is not None and not device_path:
+        kv_c, k_pe = rows.read()
     cu_k = kwargs["cu_seq_lens_k"]
     if not isinstance(cu_k, torch.Tensor):
         raise RuntimeError("vllm_mla: a continuous-batching step reached the attention without its layer's key bounds")
-    sinks, window = extra.get("s_aux"), extra.get("sliding_window")
+    cu_q = kwargs["cu_seq_lens_q"]
 
     def attend(q, c, p, mask):
         return fused_mla_attention(module, q, c, p, mask, scaling, s_aux=sinks, sliding_window=window,
                                    is_causal=True, dropout=dropout, softcap=softcap)
 
-    plan = plan_of(module, "mla")
-    kv_b = plan.kv_b(module)
-    decode = None
-    if (is_plain_linear(kv_b) and sinks is None and window is None and softcap is None
-            and not (dropout and module.training)):
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if not kernel:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"vllm_mla: {type(module).__name__} cannot attend a captured continuous-batching step (its kv_b_proj "
+                f"carries adapters or it uses sinks / a window / softcapping, which need the host-bounded path)"
+            )
+        return ragged.ragged_mla_attention(attend, query, kv_c, k_pe, cu_q, cu_k, None)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    heads = query.shape[1]
 
-        def decode(queries, pages, block_table, seq_lens, starts=None):  # the paged kernel over the step's rows
-            rows = types.SimpleNamespace(pages=pages, block_table=block_table, seq_lens=seq_lens)
-            return with_absorbed_weights(kv_b, plan.match, queries.shape[1], lambda w_uk, w_uv, b_v: paged_decode(
-                queries, rows, scale, w_uk, w_uv, b_v, plan.match, starts=starts))
+    def decode(queries, pages, block_table, seq_lens, starts=None):  # the paged kernel over the step's rows
+        view = types.SimpleNamespace(pages=pages, block_table=block_table, seq_lens=seq_lens)
+        return with_absorbed_weights(kv_b, plan.match, heads, lambda w_uk, w_uv, b_v: paged_decode(
+            queries, view, scale, w_uk, w_uv, b_v, plan.match, starts=starts))
 
-        if ragged.runs_on_device(query):  # no host read: a step the engine can capture in a CUDA graph
-            return ragged.ragged_mla_attention_on_device(decode, query, kv_c, k_pe, kwargs["cu_seq_lens_q"], cu_k)
-    elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"vllm_mla: {type(module).__name__} cannot attend a captured continuous-batching step (its kv_b_proj "
-            f"carries adapters or it uses sinks / a window / softcapping, which need the host-bounded path)"
-        )
-    return ragged.ragged_mla_attention(attend, query, kv_c, k_pe, kwargs["cu_seq_lens_q"], cu_k, decode)
+    if rows is not None and device_path:
+        def decode_rows(queries, ends, starts):  # the split-row kernel over the engine's pages, in place
+            return with_absorbed_weights(kv_b, plan.match, heads, lambda w_uk, w_uv, b_v: _split_rows_decode(
+                queries, rows, ends, starts, scale, w_uk, w_uv, b_v, plan.match))
+
+        return ragged.ragged_mla_attention_in_pages(decode_rows, query, cu_q, cu_k)
+    if device_path:
+        return ragged.ragged_mla_attention_on_device(decode, query, kv_c, k_pe, cu_q, cu_k)
+    return ragged.ragged_mla_attention(attend, query, kv_c, k_pe, cu_q, cu_k, decode)
+
+
+def _split_rows_decode(query, rows, ends, starts, scale, w_uk, w_uv, b_v, m):
+    """``query [T, H, 1, nope+rope]`` → ``[T, 1, H, v]``: absorbed attention with ``mla_decode_split_rows`` over the
+    latent rows ``rows = (k_rows, v_rows, slots)`` kept as K / V half rows in the engine's pages."""
+    nope = m.qk_nope_head_dim
+    q_nope, q_pe = query[:, :, 0, :nope], query[:, :, 0, nope:]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [T, H, rank]
+    k_rows, v_rows, slots = rows.k_rows, rows.v_rows, rows.slots
+    q_abs = torch.cat([q_lat, q_pe], dim=-1).to(k_rows.dtype)
+    with on_device(q_abs):
+        out_lat = mla_decode_split_rows(q_abs, k_rows, v_rows, slots, ends, starts, scale, m.kv_lora_rank)
+    out = torch.bmm(out_lat.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
+    if b_v is not None:
+        out = out + b_v
+    return out.unsqueeze(1).to(query.dtype)
 
 
 def _expanded_for_weights(module, query, kv_c, k_pe):

@@ -33,8 +33,9 @@ import types
 import torch
 
 from ..compat import ATTENTION_NAME, FEATURE_MIN_VERSION, attention_implementation
-from ..attention_interfaces.ragged import LATENT_PAGE
+from ..attention_interfaces.ragged import LATENT_PAGE, PAGES_ROWS_ATTR, PagesRows, runs_on_device
 from ..kernels.latent_gather import latent_gather
+from ..kernels.mla_decode_split import join_split_rows, split_rows_supported
 from ..plans import model_state, plan_of
 
 MIN_VERSION = FEATURE_MIN_VERSION["continuous batching"]
@@ -134,45 +135,97 @@ def latent_cache_class():
     _, PagedAttentionCache, _ = _cb()
 
     class LatentPagedAttentionCache(PagedAttentionCache):
-        """CB's paged cache holding one latent row per token and layer: the K half row and the V half row of a token
-        are the two halves of ``[kv_c | k_pe]``.  ``update`` takes the latent (``kv_c [1, 1, T, rank]``, ``k_pe
-        [1, 1, T, rope]``) and returns that of every request's whole context, read back through the engine's own
-        indices."""
+        """CB's paged cache holding one latent row per token and layer as the token's K half row and V half row.
+
+        Where the layout allows (``kernels.mla_decode_split.split_rows_supported``) the halves are ``[kv_c[:r/2] |
+        k_pe[:p/2]]`` and ``[kv_c[r/2:] | k_pe[p/2:]]``, so a decode kernel reads them in place; otherwise they are
+        the two halves of ``[kv_c | k_pe]`` (zero-padded to even width).  ``update`` takes the latent (``kv_c [1, 1,
+        T, rank]``, ``k_pe [1, 1, T, rope]``) and returns that of every request's whole context, read back through
+        the engine's own indices — or, on the device path with the split layout, only writes and returns the new
+        tokens' latent tagged with where the contexts' rows lie (``ragged.PAGES_ROWS_ATTR``)."""
 
         rank: int
         rope: int
 
+        @property
+        def split(self) -> bool:
+            return split_rows_supported(self.rank, self.rope)
+
+        def _half_rows(self, kv_c, k_pe):
+            """The new tokens' ``(K half, V half)`` rows ``[1, 1, T, half]`` (views of one row tensor)."""
+            rank, width = self.rank, self.rank + self.rope
+            half = math.ceil(width / 2)
+            row = kv_c.new_empty(kv_c.shape[2], 2 * half)
+            if self.split:
+                r, p = rank // 2, self.rope // 2
+                row[:, :r], row[:, r:half] = kv_c[0, 0, :, :r], k_pe[0, 0, :, :p]
+                row[:, half:half + r], row[:, half + r:] = kv_c[0, 0, :, r:], k_pe[0, 0, :, p:]
+            else:
+                row[:, :rank], row[:, rank:width] = kv_c[0, 0], k_pe[0, 0]
+                if width < 2 * half:
+                    row[:, width:] = 0
+            return row[None, None, :, :half], row[None, None, :, half:]
+
+        def _written_in_place(self, key_states, value_states, layer_idx, kwargs):
+            """Write the step's rows and return the new tokens' latent tagged with where every context's rows lie
+            (``ragged.PagesRows``: the split-row kernel reads them in place, nothing is read back here); None where
+            the layout, the release or the device do not allow it."""
+            allocator = self.layer_to_allocator[layer_idx]
+            views = page_views(allocator, layer_idx) if self.split and runs_on_device(key_states) else None
+            if views is None:
+                return None
+            read_index = kwargs["read_index"]
+            written = dict(kwargs, read_index=[i[:0] for i in read_index])  # the engine's update only writes
+            k_new, v_new = self._half_rows(key_states, value_states)
+            super().update(k_new, v_new, layer_idx, written)
+            kwargs["cu_seq_lens_k"], kwargs["max_length_k"] = written["cu_seq_lens_k"], written["max_length_k"]
+            index = read_index[allocator.index]
+            # nothing cached is read (fresh prompts only): the context is the step's own rows, where they were written
+            slots = index if index.numel() else kwargs["write_index"][allocator.index]
+            half = (self.rank + self.rope) // 2
+            k_pages, v_pages = views
+            k_rows, v_rows, rank = k_pages.reshape(-1, half), v_pages.reshape(-1, half), self.rank
+
+            def read():  # every context's latent, joined (for a layer that cannot take the kernel)
+                latent = join_split_rows(k_rows.index_select(0, slots), v_rows.index_select(0, slots), rank)
+                return latent[None, None, :, :rank], latent[None, None, :, rank:]
+
+            rows = PagesRows(k_rows, v_rows, slots, read)
+            kv_c, k_pe = key_states.view_as(key_states), value_states.view_as(value_states)
+            setattr(kv_c, PAGES_ROWS_ATTR, rows)
+            return kv_c, k_pe
+
         def update(self, key_states, value_states, layer_idx, kwargs):
             if kwargs.get("block_table") is not None:
                 raise RuntimeError("latent pages cannot take CB's block-table (flash) decode path")
+            in_place = self._written_in_place(key_states, value_states, layer_idx, kwargs)
+            if in_place is not None:
+                return in_place
             rank, width = self.rank, self.rank + self.rope
             half = math.ceil(width / 2)
-            tokens = key_states.shape[2]
-            row = key_states.new_empty(tokens, 2 * half)  # the new tokens' latent rows (the two halves are views)
-            row[:, :rank] = key_states[0, 0]
-            row[:, rank:width] = value_states[0, 0]
-            if width < 2 * half:
-                row[:, width:] = 0
-            read_index, before = kwargs["read_index"], dict(kwargs)
-            written = dict(kwargs, read_index=[i[:0] for i in read_index])  # the engine's update only writes
-            super().update(row[None, None, :, :half], row[None, None, :, half:], layer_idx, written)
-            kwargs["cu_seq_lens_k"], kwargs["max_length_k"] = written["cu_seq_lens_k"], written["max_length_k"]
+            k_new, v_new = self._half_rows(key_states, value_states)
             allocator = self.layer_to_allocator[layer_idx]
+            views = None if self.split else page_views(allocator, layer_idx)
+            if views is None:  # the engine's own read-back (or the step's rows when nothing is read), joined
+                k_half, v_half = super().update(k_new, v_new, layer_idx, kwargs)
+                k_half, v_half = k_half[0, 0], v_half[0, 0]
+                latent = (join_split_rows(k_half, v_half, rank) if self.split else
+                          torch.cat([k_half, v_half], dim=-1))
+                return latent[None, None, :, :rank], latent[None, None, :, rank:width]
+            read_index = kwargs["read_index"]
+            written = dict(kwargs, read_index=[i[:0] for i in read_index])  # the engine's update only writes
+            super().update(k_new, v_new, layer_idx, written)
+            kwargs["cu_seq_lens_k"], kwargs["max_length_k"] = written["cu_seq_lens_k"], written["max_length_k"]
             index = read_index[allocator.index]
             if index.numel() == 0:  # nothing cached is read (fresh prompts only): the new rows are the context
-                latent, rows = row, tokens
-            elif (views := page_views(allocator, layer_idx)) is None:  # (the engine's own read-back, joined)
-                k_half, v_half = super().update(row[None, None, :, :half], row[None, None, :, half:], layer_idx,
-                                                before)
-                latent, rows = torch.cat([k_half[0, 0], v_half[0, 0]], dim=-1), index.shape[0]
-            else:
-                # every context's rows joined once, with room for a whole last page of the decode kernel's view
-                # (``ragged.latent_pages`` reads it in place); only the rows the step reads are gathered
-                k_pages, v_pages = views
-                rows = index.shape[0]
-                latent = row.new_empty(-(-rows // LATENT_PAGE) * LATENT_PAGE, 2 * half)
-                latent_gather(k_pages.reshape(-1, half), v_pages.reshape(-1, half), index,
-                              kwargs["cu_seq_lens_k"][-1:], latent)
+                return key_states, value_states
+            # every context's rows joined once, with room for a whole last page of the decode kernel's view
+            # (``ragged.latent_pages`` reads it in place); only the rows the step reads are gathered
+            k_pages, v_pages = views
+            rows = index.shape[0]
+            latent = k_new.new_empty(-(-rows // LATENT_PAGE) * LATENT_PAGE, 2 * half)
+            latent_gather(k_pages.reshape(-1, half), v_pages.reshape(-1, half), index, kwargs["cu_seq_lens_k"][-1:],
+                          latent)
             return latent[None, None, :rows, :rank], latent[None, None, :rows, rank:width]
 
     return LatentPagedAttentionCache
