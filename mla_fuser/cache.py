@@ -17,7 +17,10 @@ table and a length.  Writing a step costs O(new tokens); nothing of the history 
 * Non-MLA layers (hybrid models), DSA layers with indexer caches and unfused MLA layers keep the layer
   Transformers' ``DynamicCache`` would give them.
 * ``generate()``: beam search (``reorder_cache``), ``crop`` (assisted decoding), ``batch_select_indices``
-  and ``batch_repeat_interleave`` are supported; pages live on each layer's own device.
+  and ``batch_repeat_interleave`` are supported; pages live on each layer's own device.  A static cache reorders
+  beams in place (block-table rows and one partly written page per sequence, nothing moves), so a captured decode
+  step stays valid across reorders; ``move_padding_left`` turns right or inner padding into left padding after a
+  prefill, so steps without a mask can skip it.
 
 ``update`` returns stand-in tensors of the right shape ``[B, 1, T, *]`` (stride-0 views of a NaN row, no
 memory) that carry a ``PagedView`` handle; the ``vllm_mla`` attention function reads the pages through the
@@ -148,6 +151,10 @@ class PagedLatentLayer(CacheLayerMixin):
         self.block_table: torch.Tensor | None = None  # int32 [B, max_pages]
         self.seq_lens: torch.Tensor | None = None  # int32 [B]
         self.rank = None
+        # a static cache's own pages per sequence (its first reservation): what each sequence writes to, and what
+        # the cache owns, while block-table rows may share other sequences' written pages (see _reorder_in_place)
+        self.home: list[list[int]] | None = None
+        self._home_device: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ what native MLA caches expose
     @property
@@ -238,7 +245,8 @@ class PagedLatentLayer(CacheLayerMixin):
             return
         if starts.shape != (len(self.host_tables),):
             raise ValueError(f"left-padding starts {tuple(starts.shape)} do not fit a batch of {len(self.host_tables)}")
-        self.starts = _upload(starts.to(torch.int32), self.device, self.starts)
+        # (a copy of its own: layers permute their starts in place, and a CPU upload would alias the cache's tensor)
+        self.starts = _upload(starts.to(torch.int32, copy=True), self.device, self.starts)
 
     def _sync_tables(self) -> None:
         """Upload the host block tables and lengths: one buffer ``[block table (B x W) | lengths (B)]``, one copy;
@@ -269,6 +277,8 @@ class PagedLatentLayer(CacheLayerMixin):
         for t, n in zip(self.host_tables, needs):
             t.extend(fresh[:n])
             fresh = fresh[n:]
+        if self.cache.static:  # the one reservation of a static cache: each sequence's own pages from now on
+            self.home, self._home_device = [list(t) for t in self.host_tables], None
         self._sync_tables()
         return True
 
@@ -355,12 +365,17 @@ class PagedLatentLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.cache.max_seq_len if self.cache.static else -1
 
+    def _owned(self) -> list[list[int]]:
+        """The pages this layer holds, each once (block-table rows of a static cache may share written pages)."""
+        return self.home if self.home is not None else self.host_tables
+
     def reset(self) -> None:
         if self.pool is not None:
-            for t in self.host_tables:
+            for t in self._owned():
                 self.pool.release(t)
         self.host_tables, self.host_lens = [], []
         self.tables = self.block_table = self.seq_lens = self.starts = None
+        self.home = self._home_device = None
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -372,6 +387,8 @@ class PagedLatentLayer(CacheLayerMixin):
 
     def _shrink(self, keep: list[int]) -> None:
         page = self.pool.page_size
+        if self.home is not None:  # what is written next must land in each sequence's own pages again
+            self._own_pages_from(min(keep) // page, keep)
         for t, n in zip(self.host_tables, keep):
             extra = len(t) - math.ceil(n / page)
             if extra > 0 and not self.cache.static:
@@ -393,7 +410,7 @@ class PagedLatentLayer(CacheLayerMixin):
         page = self.pool.page_size
         needed = sum(max(math.ceil(n / page), math.ceil(self.cache.max_seq_len / page) if self.cache.static else 0)
                      for n in lens)
-        available = len(self.pool.free) + sum(len(t) for t in self.host_tables)
+        available = len(self.pool.free) + sum(len(t) for t in self._owned())
         if needed > available and not self.pool.growable:
             # checked before anything is released: a failed copy leaves the cache as it was
             raise CachePoolExhausted(
@@ -401,9 +418,10 @@ class PagedLatentLayer(CacheLayerMixin):
                 f"has {available} (free plus this cache's own); raise max_cache_tokens / memory_fraction"
             )
         data = self.gather()[torch.as_tensor(source, device=self.device)]  # [B', T, W]
-        old = self.host_tables
+        old = self._owned()
         self.host_tables = [[] for _ in source]
         self.host_lens = [0] * len(source)
+        self.home = self._home_device = None  # (a static cache's _reserve below makes the new one)
         for t in old:
             self.pool.release(t)
         # also rebuilds the block table for the new batch; a static cache keeps every sequence's full reservation
@@ -414,12 +432,80 @@ class PagedLatentLayer(CacheLayerMixin):
         self.pool.pages.view(-1, self.pool.width).index_copy_(0, slots, data.reshape(-1, self.pool.width))
         self.host_lens = lens
         self._sync_tables()
-        if self.starts is not None:  # each sequence keeps its own padding
-            self.starts = self.starts[torch.as_tensor(source, device=self.device)]
+        if self.starts is not None:  # each sequence keeps its own padding (in place while the batch size holds)
+            rows = self.starts.index_select(0, torch.as_tensor(source, device=self.device))
+            self.starts = self.starts.copy_(rows) if rows.shape == self.starts.shape else rows
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.get_seq_length() > 0:
-            self._copy_sequences(beam_idx.tolist())
+    def reorder_cache(self, beam_idx: torch.LongTensor, source: list[int] | None = None) -> None:
+        """Sequence i continues old sequence ``beam_idx[i]`` (``source``: the same as host ints, when the caller has
+        them).  A static cache whose sequences all hold the same number of tokens (beam search) does it in place
+        (:meth:`_reorder_in_place`); anything else copies the sequences."""
+        if self.get_seq_length() == 0:
+            return
+        source = beam_idx.tolist() if source is None else source
+        if not self._reorder_in_place(beam_idx, source):
+            self._copy_sequences(source)
+
+    def _reorder_in_place(self, beam_idx: torch.Tensor, source: list[int]) -> bool:
+        """Beam reorder of a static cache in place, so that a captured step stays valid (nothing is allocated, no
+        address changes).  With ``n`` tokens per sequence and ``full = n // page_size`` pages written whole, new
+        sequence ``i`` takes old ``source[i]``'s first ``full`` block-table entries (written pages, shared and never
+        written again), gets old ``source[i]``'s partly written page copied into its own page ``full``, and keeps
+        its own pages from there on for what it writes next.  So column ``j`` of the block table only ever names
+        some sequence's own page ``j``: no sequence's next write lands in a page another one reads.  False (nothing
+        done) when that does not apply: not static, another batch size, unequal lengths."""
+        lens, home, tables = self.host_lens, self.home, self.host_tables
+        if home is None or len(source) != len(lens) or any(n != lens[0] for n in lens):
+            return False
+        full, partial = divmod(lens[0], self.pool.page_size)
+        if any(t[full:] != h[full:] for t, h in zip(tables, home)):
+            return False  # (cannot happen while every change goes through this class; checked, as it is cheap)
+        index = beam_idx.to(device=self.device, dtype=torch.long)
+        rows = self.block_table.index_select(0, index)  # old rows, new order
+        if partial:  # the partly written page: old source[i]'s page `full` into i's own page `full`
+            if self._home_device is None:  # [pages, B]: a column of home is a contiguous row here
+                self._home_device = torch.tensor(home, dtype=torch.long).t().contiguous().to(self.device)
+            pages = self.pool.pages
+            pages.index_copy_(0, self._home_device[full], pages.index_select(0, rows[:, full].long()))
+        if full:
+            self.block_table[:, :full] = rows[:, :full]
+        if self.starts is not None:
+            self.starts.copy_(self.starts.index_select(0, index))
+        self.host_tables = [tables[s][:full] + home[i][full:] for i, s in enumerate(source)]
+        return True
+
+    def _own_pages_from(self, column: int, lens: list[int]) -> None:
+        """Every sequence's block-table entries from ``column`` on name its own pages again (those that named
+        another sequence's page after a beam reorder get a copy of it, for the tokens of ``lens`` they hold): what
+        a crop needs before the sequences write into those columns.  Host tables only; the caller uploads them."""
+        page = self.pool.page_size
+        src, dst = [], []
+        for table, own, n in zip(self.host_tables, self.home, lens):
+            for j in range(column, min(len(table), math.ceil(n / page))):
+                if table[j] != own[j]:
+                    src.append(table[j])
+                    dst.append(own[j])
+            table[column:] = own[column:]
+        if src:  # all reads before any write: a page may be both read (for one sequence) and written (another's own)
+            pages = self.pool.pages
+            index = torch.tensor(dst + src, dtype=torch.long).to(self.device)
+            pages.index_copy_(0, index[: len(dst)], pages.index_select(0, index[len(dst):]))
+
+    def move_positions(self, order: torch.Tensor) -> None:
+        """Position ``p < T`` of sequence ``b`` takes what position ``order[b, p]`` held (``order``: long ``[B, T]``,
+        each row a permutation of ``range(T)``, ``T`` at most the cached length): one gather and one scatter over the
+        pages.  Rows that share written pages (beams of one prompt) move them identically."""
+        if self.pool is None or not self.host_lens:
+            return
+        page, width = self.pool.page_size, self.pool.width
+        table = self.block_table.long()
+        positions = torch.arange(order.shape[1], device=self.device).expand_as(order)
+
+        def slots(pos):
+            return (table.gather(1, pos // page) * page + pos % page).reshape(-1)
+
+        flat = self.pool.pages.view(-1, width)
+        flat.index_copy_(0, slots(positions), flat.index_select(0, slots(order.to(self.device))))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._copy_sequences([b for b in range(len(self.host_lens)) for _ in range(repeats)])
@@ -460,6 +546,7 @@ class PagedLatentCache(DynamicCache):
             raise ValueError("static=True needs max_seq_len")
         self.page_size = page_size
         self.padding_starts: torch.Tensor | None = None  # see set_left_padding
+        self._moved_padding = None  # (order, previous starts) while move_padding_left holds
         self.max_cache_tokens = max_cache_tokens
         self.memory_fraction = memory_fraction
         self.static = static
@@ -493,6 +580,43 @@ class PagedLatentCache(DynamicCache):
         for layer in self.layers:
             if isinstance(layer, PagedLatentLayer) and layer.is_initialized:
                 layer._load_starts()
+
+    def move_padding_left(self, mask) -> None:
+        """After the prefill of a batch whose padding is not all on the left (``mask [B, T]``, 1 = token, 0 =
+        padding, ``T`` = tokens cached per sequence): move each sequence's tokens, in order, behind its padding and
+        record the padding as left padding (:meth:`set_left_padding`), so decode steps without a mask (a replayed
+        step) attend exactly the tokens the mask keeps, from the decode kernel.  Attention does not depend on where
+        a cached row sits (the position is in its rotary key), so only the layout changes; steps must not pass the
+        original mask meanwhile (it describes the old layout).  :meth:`restore_padding` moves the tokens back."""
+        mask = torch.as_tensor(mask).bool()
+        order = torch.sort(mask.to(torch.int8), dim=1, stable=True).indices  # padding first, tokens in order
+        for layer in self.paged:
+            layer.move_positions(order)
+        self._moved_padding = (order, self.padding_starts)
+        self.set_left_padding((~mask).sum(1))
+
+    def restore_padding(self) -> None:
+        """Undo :meth:`move_padding_left` (tokens back where the prompt had them, the previous left padding); the
+        cache then reads as a native cache of the same call would.  Nothing to do when nothing was moved."""
+        if self._moved_padding is None:
+            return
+        order, starts = self._moved_padding
+        back = torch.argsort(order, dim=1)
+        for layer in self.paged:
+            layer.move_positions(back)
+        self._moved_padding = None
+        self.set_left_padding(starts)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam reorder of every layer; the indices are read on the host once for all paged layers."""
+        source = None
+        for layer in self.layers:
+            if isinstance(layer, PagedLatentLayer):
+                if source is None:
+                    source = beam_idx.tolist()
+                layer.reorder_cache(beam_idx, source)
+            else:
+                layer.reorder_cache(beam_idx)
 
     @property
     def paged(self) -> list[PagedLatentLayer]:

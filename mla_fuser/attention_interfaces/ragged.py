@@ -42,7 +42,14 @@ def _memo(key, make):
 def host_bounds(cu: torch.Tensor) -> list[int]:
     """``cu`` as a host list, copied once per change of the tensor: the engine updates its input buffers in place
     (which bumps their version) and every layer of a step reads the same tensors, so one device sync per step."""
-    return _memo(("bounds", id(cu), cu._version, cu.data_ptr()), lambda: [int(v) for v in cu.tolist()])
+    # the memo keeps the tensor itself: an id is only unique while its object lives (a later step's or test's new
+    # tensor may get a freed one's id, address and version)
+    held, bounds = _memo(("bounds", id(cu), cu._version, cu.data_ptr(), cu.shape[0]),
+                         lambda: (cu, [int(v) for v in cu.tolist()]))
+    if held is not cu:
+        _STEP_MEMO.clear()
+        return host_bounds(cu)
+    return bounds
 
 
 def ragged_mla_attention(attend, query, kv_c, k_pe, cu_q: torch.Tensor, cu_k: torch.Tensor,
@@ -201,9 +208,14 @@ def token_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int) -> tuple[t
     tensors' storage and version (the engine rewrites them in place between steps) and by whether a CUDA graph is
     being captured (a capture must record the computation, not reuse what an eager warm-up left)."""
     capturing = cu_q.is_cuda and torch.cuda.is_current_stream_capturing()
+    # keyed by the tensors the bounds are views of, held by the memo (an id or an address is only unique while
+    # its object lives), their versions (bumped by every in-place write) and the shapes
+    q_base = cu_q if cu_q._base is None else cu_q._base
+    k_base = cu_k if cu_k._base is None else cu_k._base
     key = (cu_q.data_ptr(), cu_q._version, cu_q.shape[0], cu_k.data_ptr(), cu_k._version, cu_k.shape[0], tokens,
            capturing)
-    if _DEVICE_STEP[0] == key:
+    held = _DEVICE_STEP[0]
+    if held is not None and held[0] is q_base and held[1] is k_base and held[2] == key:
         return _DEVICE_STEP[1]
     requests = cu_q.shape[0] - 1
     t = torch.arange(tokens, device=cu_q.device, dtype=torch.int32)
@@ -214,7 +226,7 @@ def token_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int) -> tuple[t
     ends = k_end - (q_end - q_start) + (t - q_start) + 1  # the context's end, less the request's later queries
     starts = torch.where(valid, k_start, 0).to(torch.int32)
     ends = torch.where(valid, torch.maximum(ends, k_start + 1), 1).to(torch.int32)
-    _DEVICE_STEP[:] = [key, (starts, ends)]
+    _DEVICE_STEP[:] = [(q_base, k_base, key), (starts, ends)]
     return starts, ends
 
 

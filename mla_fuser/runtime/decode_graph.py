@@ -18,7 +18,9 @@ after capture and advanced by one token after every replay.  Addresses are check
 moved its memory (a pool grew, a batch changed), the step is captured again, never replayed on stale addresses.
 
 Steps take no attention mask: a left-padded batch is described to the cache once
-(``PagedLatentCache.set_left_padding``) and the decode kernel skips each row's padding.  Not capturable, refused
+(``PagedLatentCache.set_left_padding``) and the decode kernel skips each row's padding; other padding is moved to
+the left after the prefill (``move_padding_left``).  A beam reorder between steps (``reorder_cache``) permutes the
+static cache's block-table rows in place, so the captured step stays valid.  Not capturable, refused
 with a clear error: caches with dynamic layers (Transformers' ``DynamicCache`` layers, a non-static paged cache)
 and prefill (run it eagerly before the first step).
 """
@@ -87,7 +89,10 @@ class DecodeGraph:
         self.keyword = cache_keyword(model)
         self.graph = None
         self.captures = 0  # how many times the step was captured (1 unless a cache moved its memory)
-        self._addresses = None
+        # memory layouts the steps ran on, counted with or without capture: on CUDA every layout after the one of
+        # the first (eager) step is a capture, so this is what tells on a CPU that a reorder kept the graph valid
+        self.layouts = 0
+        self._addresses = self._seen = None
         self._ids = self._positions = self._logits = None
         self._check_layers()
         self._paged = [layer for layer in self.cache.layers if isinstance(layer, PagedLatentLayer)]
@@ -169,6 +174,10 @@ class DecodeGraph:
             raise ValueError(f"position_ids {tuple(position_ids.shape)} must match input_ids {tuple(input_ids.shape)}")
         batch = input_ids.shape[0]
         self._check_step(batch)
+        addresses = self._current_addresses()
+        if addresses != self._seen:
+            self._seen = addresses
+            self.layouts += 1
         if not self.capture:
             return self._forward(input_ids.to(self.device), position_ids.to(self.device)).clone()
         if self._ids is None:
@@ -184,7 +193,7 @@ class DecodeGraph:
             return logits
         if self._ids.shape[0] != batch:
             raise ValueError(f"DecodeGraph was captured for a batch of {self._ids.shape[0]}, got {batch}")
-        if self.graph is None or self._current_addresses() != self._addresses:
+        if self.graph is None or addresses != self._addresses:
             self._capture()
         self._ids.copy_(input_ids, non_blocking=True)
         self._positions.copy_(position_ids, non_blocking=True)

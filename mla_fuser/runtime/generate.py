@@ -2,14 +2,17 @@
 
 * the **cache**: a fused MLA model (using ``vllm_mla``) whose caller settles no cache (``compat.caller_chose_cache``)
   gets a ``PagedLatentCache``;
-* the **graph plan**: on CUDA, a single-beam call that is unpadded or left-padded with enough new tokens replays its
-  decode steps from a CUDA graph (:class:`GraphedForward` over a static paged cache, or over Transformers' own cache
-  of a Mamba model whose layers all keep fixed-size states); ``MLA_FUSER_CUDA_GRAPHS=0`` turns that off;
+* the **graph plan** (:func:`plan_generate`): on CUDA, decode steps replay a CUDA graph (:class:`GraphedForward`
+  over a static paged cache, or over Transformers' own cache of a Mamba model whose layers all keep fixed-size
+  states) for greedy, sampling and beam search, unpadded or with any padding, with no cache given, a static
+  ``PagedLatentCache`` or an empty ``DynamicCache`` the caller passes (converted, and filled at the end), or
+  ``cache_implementation="static"`` / ``"dynamic"``; every other call runs eagerly, the reason kept in
+  :func:`last_generate_plan`.  ``MLA_FUSER_CUDA_GRAPHS=0`` turns graphs off;
 * the **experts implementation**: experts the MoE fuser switched stay on the fused kernel through ``generate``'s
   decode-time swap to ``batched_mm`` (``fusers.moe.keep_fused_experts``); a user's own choice still wins.
 
-The class and Transformers stay untouched; anything the caller chose (a cache, ``cache_implementation``,
-``use_cache=False``, beams, an assistant) is passed through as given.
+The class and Transformers stay untouched; a choice of the caller that we do not graph (a growing cache,
+Transformers' ``StaticCache`` object, ``use_cache=False``, an assistant) is passed through as given.
 """
 
 from __future__ import annotations
@@ -17,19 +20,23 @@ from __future__ import annotations
 import contextlib
 import inspect
 import types
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
 from .. import envs
 from ..attention_interfaces.vllm_mla import left_padding_of
 from ..cache import PagedLatentCache, paged_layer_indices
-from ..compat import ATTENTION_NAME, attention_implementation, cache_keyword, caller_chose_cache
+from ..compat import ATTENTION_NAME, CACHE_KWARGS, attention_implementation, cache_keyword, caller_chose_cache
 from ..fusers.moe.experts import has_switched_experts, keep_fused_experts
 from ..plans import model_state
 from .decode_graph import DecodeGraph
 
 # Fewer new tokens than this do not repay the capture (about one eager step plus instantiation).
 GENERATE_MIN_NEW_TOKENS = 8
+# cache implementations a graphed call serves with its own static paged cache (neither is an object the caller holds)
+GRAPHED_CACHE_IMPLEMENTATIONS = ("static", "dynamic")
 
 
 def extend_generate(model) -> list[str]:
@@ -55,39 +62,130 @@ def extend_generate(model) -> list[str]:
 
     def generate(self, *args, **kwargs):
         with keep_fused_experts(self) if experts else contextlib.nullcontext():
-            cache, graphed = _plan(self, args, kwargs, paged, states_only)
-            if cache is None:
+            plan = plan_generate(self, args, kwargs, paged, states_only)
+            _LAST_PLANS[self] = plan
+            if plan.cache is None:
                 return inner(*args, **kwargs)
-            kwargs[keyword] = cache
-            if not graphed:
+            kwargs = plan.arguments(kwargs, keyword)
+            if not plan.graphed:
                 return inner(*args, **kwargs)
-            return generate_graphed(self, inner, cache, args, kwargs)
+            out = generate_graphed(self, inner, plan.cache, args, kwargs, padding=plan.padding, plan=plan)
+            return plan.hand_back(out)
 
     model.generate = types.MethodType(generate, model)
     state.generate_extended = True
     return notes
 
 
-def _plan(model, args, kwargs, paged: bool, states_only: bool):
-    """``(cache, graphed)``: the cache this call gets from us (None: the caller's or Transformers' choice stands)
-    and whether its decode steps replay a CUDA graph."""
-    if caller_chose_cache(model, kwargs):
-        return None, False
-    if paged:
-        if attention_implementation(model) != ATTENTION_NAME:
-            return None, False  # switched away after fusion: the class's forward expands K/V as Transformers does
-        shape = graphed_generate_plan(model, args, kwargs)
-        if shape is None:
-            return PagedLatentCache(model), False
-        batch, max_seq_len, starts = shape  # a static cache this size; left-padded rows' padding is skipped
-        cache = PagedLatentCache.static_for(model, batch, max_seq_len)
-        cache.set_left_padding(starts)
-        return cache, True
-    if states_only and graphed_generate_plan(model, args, kwargs) is not None:
-        from transformers import DynamicCache
+_LAST_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-        return DynamicCache(config=model.config), True  # (padding does not matter to a state-only step)
-    return None, False
+
+def last_generate_plan(model) -> "GeneratePlan | None":
+    """The plan of ``model``'s last ``generate`` call (diagnostics: whether its decode steps were graphed, why not,
+    how many steps replayed and how often the step was captured)."""
+    return _LAST_PLANS.get(model)
+
+
+@dataclass
+class GeneratePlan:
+    """What the runtime layer does with one ``generate`` call."""
+
+    cache: object = None  # the cache the call runs with when we choose or convert it (None: as the caller asked)
+    graphed: bool = False  # decode steps go through a DecodeGraph (captured on CUDA)
+    reason: str = ""  # why the decode steps run eagerly, when they do
+    padding: torch.Tensor | None = None  # the prompt's mask as generate expands it, when it pads (see generate_graphed)
+    give_back: object = None  # the caller's DynamicCache: filled from ``cache`` when the call returns
+    overrides: dict = field(default_factory=dict)  # generate arguments we settle (cache_implementation=None)
+    steps: int = 0  # decode steps that went through the DecodeGraph
+    captures: int = 0  # CUDA-graph captures of those steps
+    layouts: int = 0  # cache memory layouts the steps ran on (each after the first would be a recapture)
+
+    def arguments(self, kwargs: dict, keyword: str) -> dict:
+        """``kwargs`` with our cache under the model's keyword (any other cache keyword dropped) and our overrides."""
+        out = {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}
+        out.update(self.overrides)
+        out[keyword] = self.cache
+        return out
+
+    def hand_back(self, out):
+        """The caller's ``DynamicCache`` gets what the call cached (in native's layout), and an output that carries
+        a cache carries the caller's."""
+        if self.give_back is None:
+            return out
+        for idx, layer in enumerate(self.cache.layers):
+            keys, values = layer.keys, layer.values
+            if keys is not None:
+                self.give_back.update(keys, values, idx)
+        for name in getattr(type(out), "__dataclass_fields__", ()):
+            if getattr(out, name, None) is self.cache:
+                setattr(out, name, self.give_back)
+        return out
+
+
+def plan_generate(model, args, kwargs, paged: bool, states_only: bool) -> GeneratePlan:
+    """The :class:`GeneratePlan` of one call of a fused model's ``generate``."""
+    graphs = graphs_possible(model)
+    if not paged:  # a fused Mamba model: one beam (a reorder moves its states), no cache chosen
+        if states_only and graphs and not caller_chose_cache(model, kwargs) and generate_shape(model, args, kwargs):
+            from transformers import DynamicCache
+
+            return GeneratePlan(DynamicCache(config=model.config), graphed=True)  # (padding is no matter to states)
+        return GeneratePlan(reason="a states-only model graphs one-beam calls with no cache chosen, on CUDA")
+    if attention_implementation(model) != ATTENTION_NAME:  # switched away after fusion: the class's own forward
+        return GeneratePlan(reason=f"attention implementation {attention_implementation(model)!r}, not vllm_mla")
+    config = kwargs.get("generation_config") or model.generation_config
+    if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
+        return GeneratePlan(reason="use_cache=False")
+    user = next(((k, kwargs[k]) for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+    implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+    shape = call_shape(model, args, kwargs)
+    reason = shape.reason or ("" if graphs else "no CUDA graphs here (CPU, MLA_FUSER_CUDA_GRAPHS=0 or capturing)")
+    if user is None and implementation is None:
+        if reason:
+            return GeneratePlan(PagedLatentCache(model), reason=reason)
+        return _graphed(model, PagedLatentCache.static_for(model, shape.batch, shape.max_seq_len), shape,
+                        fallback=lambda: PagedLatentCache(model))
+    if reason:
+        return GeneratePlan(reason=reason)
+    if user is None:
+        if implementation not in GRAPHED_CACHE_IMPLEMENTATIONS:
+            return GeneratePlan(reason=f"cache_implementation={implementation!r} is Transformers' own cache")
+        cache = PagedLatentCache.static_for(model, shape.batch, shape.max_seq_len)
+        return _graphed(model, cache, shape, overrides={"cache_implementation": None})
+    return _plan_for_callers_cache(model, user[1], shape)
+
+
+def _plan_for_callers_cache(model, cache, shape: "CallShape") -> GeneratePlan:
+    """A cache the caller passed: a static ``PagedLatentCache`` is replayed over as it is; an empty ``DynamicCache``
+    is converted (the call runs on a static paged cache, whose contents fill the caller's cache at the end);
+    anything else runs as given, eagerly, with the reason."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    if isinstance(cache, PagedLatentCache):
+        if not cache.static:
+            return GeneratePlan(reason="a growing PagedLatentCache moves its memory; pass static=True "
+                                       "(PagedLatentCache.static_for) to replay decode steps")
+        return _graphed(model, cache, shape)
+    if type(cache) is DynamicCache:
+        if cache.get_seq_length() > 0:
+            return GeneratePlan(reason="a DynamicCache that already holds tokens runs as given (eager steps)")
+        if getattr(cache, "offloading", False) or any(type(layer) is not DynamicLayer for layer in cache.layers):
+            return GeneratePlan(reason="an offloaded or sliding-window DynamicCache runs as given (eager steps)")
+        paged = PagedLatentCache.static_for(model, shape.batch, shape.max_seq_len)
+        return _graphed(model, paged, shape, give_back=cache)
+    return GeneratePlan(reason=f"a {type(cache).__name__} passed by the caller runs as given (eager steps; "
+                               f"Transformers may compile the forward over a compileable cache)")
+
+
+def _graphed(model, cache, shape: "CallShape", fallback=None, **extra) -> GeneratePlan:
+    """A graphed plan over ``cache``, or, when a step cannot be replayed over it (a layer that is not paged: hybrid
+    models, DSA indexer caches), an eager plan with the reason and the cache ``fallback()`` gives (None: the
+    caller's or Transformers' choice stands)."""
+    try:
+        DecodeGraph(model, cache, capture=False)  # its checks only
+    except (TypeError, ValueError) as err:
+        return GeneratePlan(None if fallback is None else fallback(), reason=str(err))
+    return GeneratePlan(cache, graphed=True, padding=shape.padding, **extra)
 
 
 def _graphs_over_own_cache(model) -> bool:
@@ -102,14 +200,38 @@ def _graphs_over_own_cache(model) -> bool:
     return True
 
 
-def generate_graphed(model, inner, cache, args, kwargs):
-    """``inner(*args, **kwargs)`` with the decode steps over ``cache`` replayed from a CUDA graph; how many steps
-    were replayed and how often the step was captured are kept in the model's state for diagnostics."""
-    with GraphedForward(model, cache) as graphed:
-        out = inner(*args, **kwargs)
+def generate_graphed(model, inner, cache, args, kwargs, padding=None, plan: GeneratePlan | None = None):
+    """``inner(*args, **kwargs)`` with the decode steps over ``cache`` going through a :class:`DecodeGraph`.
+
+    ``padding``: the prompt's mask (``[batch, T]`` as generate expands it) when the batch is padded; the steps get
+    no mask, so the cache carries the padding: left padding is set before the prefill, any other padding is moved
+    to the left right after it (``PagedLatentCache.move_padding_left``); both are undone when the call returns, so
+    the cache reads as native's would.  How many steps went through the graph and how often it was captured are
+    kept in the model's state (and ``plan``)."""
+    previous = cache.padding_starts if padding is not None else None
+    starts = None if padding is None else _left_padding(padding)
+    if starts is not None:
+        cache.set_left_padding(starts)
+    try:
+        with GraphedForward(model, cache, move_padding=padding if starts is None else None) as graphed:
+            out = inner(*args, **kwargs)
+    finally:
+        if padding is not None:
+            cache.restore_padding()
+            cache.set_left_padding(previous)
     state = model_state(model)
     state.graphed_steps, state.graph_captures = graphed.steps, graphed.graph.captures
+    if plan is not None:
+        plan.steps, plan.captures, plan.layouts = graphed.steps, graphed.graph.captures, graphed.graph.layouts
     return out
+
+
+def graphs_possible(model) -> bool:
+    """Whether this call may capture: the model on CUDA, ``MLA_FUSER_CUDA_GRAPHS`` not off, no capture running.  (On
+    other devices a :class:`DecodeGraph` runs the same step eagerly; tests force this to exercise the graphed plan
+    on a CPU.)"""
+    device = model.get_input_embeddings().weight.device
+    return device.type == "cuda" and cuda_graphs_wanted() and not torch.cuda.is_current_stream_capturing()
 
 
 def cuda_graphs_wanted() -> bool:
@@ -122,13 +244,16 @@ class GraphedForward:
     call (the prefill, anything with inputs the graph does not take) runs the model's own forward.
 
     Bound to the model instance for the duration of the call (``with GraphedForward(model, cache):``); the
-    output of a replayed step has the type and cache field of the model's own output, with last-token logits."""
+    output of a replayed step has the type and cache field of the model's own output, with last-token logits.
+    ``move_padding`` (a ``[batch, T]`` mask): once the cache holds ``T`` tokens per sequence (after the prefill),
+    their padding is moved to the left (``PagedLatentCache.move_padding_left``), before any step reads the cache."""
 
     _PASSED_THROUGH = ("labels", "output_attentions", "output_hidden_states")
 
-    def __init__(self, model, cache):
+    def __init__(self, model, cache, move_padding: torch.Tensor | None = None):
         self.model = model
         self.cache = cache
+        self.move_padding = move_padding
         self.keyword = cache_keyword(model)
         self.graph = DecodeGraph(model, cache)
         self.output_type = None
@@ -177,6 +302,10 @@ class GraphedForward:
     def __call__(self, *args, **kwargs):
         if self._inside or not self._is_decode_step(args, kwargs):
             out = self.original(*args, **kwargs)
+            mask = self.move_padding
+            if mask is not None and not self._inside and self.cache.get_seq_length() == mask.shape[1]:
+                self.cache.move_padding_left(mask)
+                self.move_padding = None
             if self.output_type is None and hasattr(out, "logits"):
                 self.cache_field = _cache_field(out, self.cache)
                 if self.cache_field is not None:  # (else every step runs the model's own forward)
@@ -210,53 +339,95 @@ def _cache_field(output, cache) -> str | None:
     return None
 
 
-def graphed_generate_plan(model, args, kwargs):
-    """``(batch, max_seq_len, starts)`` when this ``generate`` call can replay its decode steps from a CUDA graph
-    over a static paged cache, else None: CUDA, no cache or cache implementation asked for, one beam, no
-    assistant, input ids unpadded or left-padded (``starts``: padding per row, or None) and enough new tokens to
-    repay the capture."""
-    device = model.get_input_embeddings().weight.device
-    if device.type != "cuda" or not cuda_graphs_wanted() or torch.cuda.is_current_stream_capturing():
-        return None
-    return generate_shape(model, args, kwargs)
+@dataclass
+class CallShape:
+    """The shape of a ``generate`` call's decode steps, as the cache sees them: ``batch`` sequences (prompts times
+    beams or returned sequences) of up to ``max_seq_len`` tokens, ``padding`` the prompt's mask expanded the way
+    generate expands it (None when nothing is padded); ``reason`` says why its steps cannot be replayed ("" when
+    they can)."""
+
+    batch: int = 0
+    max_seq_len: int = 0
+    padding: torch.Tensor | None = None
+    reason: str = ""
+    beams: int = 1
 
 
-def generate_shape(model, args, kwargs):
-    """The device-independent part of :func:`graphed_generate_plan`."""
+# generate arguments whose decoding strategy runs model calls a replayed step does not make
+_EAGER_STRATEGIES = {
+    "assistant_model": "assisted decoding verifies several tokens per step",
+    "prompt_lookup_num_tokens": "prompt lookup decoding verifies several tokens per step",
+    "synced_gpus": "synced_gpus keeps running forwards after the end",
+    "output_attentions": "steps that return attentions run the model's forward",
+    "output_hidden_states": "steps that return hidden states run the model's forward",
+    "dola_layers": "DoLa reads hidden states of every step",
+    "penalty_alpha": "contrastive search",
+    "custom_generate": "a custom generate",
+    "constraints": "constrained beam search",
+    "force_words_ids": "constrained beam search",
+}
+
+
+def call_shape(model, args, kwargs) -> CallShape:
+    """The :class:`CallShape` of a ``generate`` call (device-independent; :func:`plan_generate` adds the device)."""
     config = kwargs.get("generation_config") or model.generation_config
 
     def setting(name, default=None):
         return kwargs.get(name, getattr(config, name, default))
 
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or kwargs.get("inputs_embeds") is not None:
-        return None
-    if (setting("num_beams", 1) or 1) != 1 or kwargs.get("assistant_model") is not None \
-            or setting("prompt_lookup_num_tokens") or kwargs.get("synced_gpus"):
-        return None
-    if setting("use_cache", True) is False or setting("cache_implementation") is not None:
-        return None
-    mask = kwargs.get("attention_mask")
-    starts = None
-    if mask is not None and not bool(mask.all()):
-        starts = _left_padding(mask)
-        if starts is None:
-            return None  # right or inner padding: the steps take the masked path
+    ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() \
+            or kwargs.get("inputs_embeds") is not None:
+        return CallShape(reason="inputs_embeds or input ids that are not [batch, length]")
+    for name, why in _EAGER_STRATEGIES.items():
+        if setting(name):
+            return CallShape(reason=why)
+    if (setting("num_beam_groups", 1) or 1) > 1:
+        return CallShape(reason="group beam search")
     new_tokens = setting("max_new_tokens")
     if new_tokens is None:
         max_length = setting("max_length")
         new_tokens = None if max_length is None else max_length - ids.shape[1]
     if new_tokens is None or new_tokens < GENERATE_MIN_NEW_TOKENS:
+        return CallShape(reason=f"fewer than {GENERATE_MIN_NEW_TOKENS} new tokens do not repay a capture")
+    beams = setting("num_beams", 1) or 1
+    copies = beams if beams > 1 else (setting("num_return_sequences", 1) or 1)
+    mask = _prompt_mask(ids, kwargs.get("attention_mask"), setting("pad_token_id"), setting("eos_token_id"))
+    padding = None if mask is None or bool(mask.all()) else mask.bool().repeat_interleave(copies, dim=0)
+    return CallShape(ids.shape[0] * copies, ids.shape[1] + new_tokens + 1, padding, beams=beams)
+
+
+def _prompt_mask(ids, mask, pad, eos):
+    """The mask generate attends the prompt with: the caller's, else the one it infers from pad tokens in the ids
+    (when the pad token is set, present and not an end token)."""
+    if mask is not None or pad is None:
+        return mask
+    ends = eos if isinstance(eos, (list, tuple)) else [eos]
+    if pad in ends or not bool((ids == pad).any()):
         return None
-    copies = setting("num_return_sequences", 1) or 1
-    if starts is not None:
-        starts = starts.repeat_interleave(copies)
-    return ids.shape[0] * copies, ids.shape[1] + new_tokens + 1, starts
+    return ids.ne(pad)
+
+
+def graphed_generate_plan(model, args, kwargs):
+    """:func:`generate_shape` when the call may capture (:func:`graphs_possible`), else None."""
+    return generate_shape(model, args, kwargs) if graphs_possible(model) else None
+
+
+def generate_shape(model, args, kwargs):
+    """``(batch, max_seq_len, starts)`` of a call graphed with no cache chosen, one beam and no padding other than on
+    the left (``starts``: per row, or None), else None: the first graphed plan's subset of :func:`call_shape`, kept
+    for its callers."""
+    config = kwargs.get("generation_config") or model.generation_config
+    shape = call_shape(model, args, kwargs)
+    if shape.reason or shape.beams > 1 or kwargs.get("cache_implementation", config.cache_implementation):
+        return None
+    starts = None if shape.padding is None else _left_padding(shape.padding)
+    if shape.padding is not None and starts is None:
+        return None
+    return shape.batch, shape.max_seq_len, starts
 
 
 def _left_padding(mask: torch.Tensor) -> torch.Tensor | None:
     """Per-row count of leading padding tokens of a 2-D 0/1 mask that is left padding, else None."""
     starts = left_padding_of(mask.bool()) if mask.dim() == 2 else None
     return None if starts is None else starts.cpu()
-
-

@@ -1,0 +1,299 @@
+"""Generation modes through the graphed decode plan, on a CPU: beam search, right and inner padding, sampling and the
+caches a caller can pass give native's tokens (fp32, tiny DeepSeek-V2), and the reasons the other modes stay eager.
+
+A CPU cannot capture; ``graphs_possible`` is forced on (``graphed`` fixture), so ``generate`` takes the plan it takes on
+CUDA and each decode step runs through the same ``DecodeGraph`` step function, eagerly.  ``layouts`` counts the cache
+memory layouts those steps ran on: on CUDA every layout after the first is a recapture, so ``layouts == 1`` across a
+beam search is what says here that the captured step stays valid after every reorder.  The replay itself, captures
+and bf16 tokens are in ``test_gpu_generation_modes.py``."""
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+import mla_fuser
+from mla_fuser.cache import PagedLatentCache, PagedLatentLayer
+from mla_fuser.compat import cache_keyword
+from mla_fuser.runtime import generate as runtime_generate
+from mla_fuser.runtime.generate import last_generate_plan
+
+from conftest import left_padded_prompts, tiny_deepseek
+
+KW = cache_keyword(tiny_deepseek(layers=1))  # ``cache`` (5.2x) or ``past_key_values``
+
+
+@pytest.fixture(scope="module")
+def pair():
+    native = tiny_deepseek()
+    fused = tiny_deepseek(attn="vllm_mla")
+    mla_fuser.fuse(fused)
+    return native, fused
+
+
+@pytest.fixture
+def graphed(monkeypatch):
+    """generate() plans as on CUDA; a step the plan graphs must never copy sequences to reorder beams."""
+    monkeypatch.setattr(runtime_generate, "graphs_possible", lambda model: True)
+    copies = []
+    original = PagedLatentLayer._copy_sequences
+
+    def spy(self, source):
+        copies.append(source)
+        return original(self, source)
+
+    monkeypatch.setattr(PagedLatentLayer, "_copy_sequences", spy)
+    return copies
+
+
+def _right_padded(lengths, seed=0, vocab=128):
+    ids, mask = left_padded_prompts(lengths, vocab, seed)
+    return ids.flip(1), mask.flip(1)
+
+
+def _inner_padded(seed=0):
+    """Rows with padding on the left, the right and in the middle."""
+    ids, mask = left_padded_prompts([9, 9, 9], seed=seed)
+    mask[0, 3:5] = 0
+    mask[1, :2] = 0
+    mask[1, -1] = 0
+    mask[2, 4] = 0
+    return ids * mask, mask
+
+
+def _check_graphed(fused, new_tokens, copies):
+    plan = last_generate_plan(fused)
+    assert plan.graphed, plan.reason
+    assert plan.steps == new_tokens - 1 and plan.captures == 0  # every decode step through the DecodeGraph (CPU)
+    assert plan.layouts == 1, "the cache moved its memory: a captured step would be captured again"
+    assert not copies, "a beam reorder copied the sequences instead of permuting block-table rows"
+
+
+def _assert_cache_like_native(cache, native_cache, mask, new_tokens):
+    """Layer by layer, the latent at the real positions equals native's (the layout is native's again after the
+    call; padding positions hold whatever a fully masked query produced below, in both)."""
+    real = torch.cat([mask, mask.new_ones(mask.shape[0], new_tokens - 1)], 1).bool()
+    assert cache.get_seq_length() == native_cache.get_seq_length() == real.shape[1]
+    for layer, ref in zip(cache.layers, native_cache.layers):
+        torch.testing.assert_close(layer.keys[:, 0][real], ref.keys[:, 0][real], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.values[:, 0][real], ref.values[:, 0][real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("extra", [
+    dict(num_beams=3),
+    dict(num_beams=3, length_penalty=0.3, num_return_sequences=2, early_stopping=True),
+    dict(num_beams=3, length_penalty=-1.0, num_return_sequences=3),
+])
+def test_beam_search_graphed_equals_native(pair, graphed, extra):
+    native, fused = pair
+    ids, mask = left_padded_prompts([5, 8], seed=2)
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, **extra)
+    assert torch.equal(fused.generate(ids, **kw), native.generate(ids, **kw))
+    _check_graphed(fused, 12, graphed)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_beam_search_over_a_callers_static_cache_shares_written_pages(pair, graphed, page_size):
+    """Small pages: beams cross page boundaries, rows of the block table share written pages of other beams, and the
+    cache (a static PagedLatentCache the caller passes) ends with native's latent."""
+    native, fused = pair
+    ids, mask = left_padded_prompts([5, 8], seed=3)
+    cache = PagedLatentCache(fused, page_size=page_size, static=True, max_seq_len=32, max_cache_tokens=6 * 32)
+    native_cache = DynamicCache(config=native.config)
+    kw = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, num_beams=3)
+    out = fused.generate(ids, **{KW: cache}, **kw)
+    assert torch.equal(out, native.generate(ids, **{KW: native_cache}, **kw))
+    _check_graphed(fused, 20, graphed)
+    layer = cache.layers[1]
+    if page_size == 4:
+        written = [row[: 27 // 4] for row in layer.host_tables]
+        assert len({p for row in written for p in row}) < sum(map(len, written)), "no page is shared"
+    assert sorted(p for row in layer.home for p in row) == sorted(set(p for row in layer.home for p in row))
+    _assert_cache_like_native(cache, native_cache, mask.repeat_interleave(3, 0), 20)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize("padding", ["right", "inner"])
+def test_right_and_inner_padding_graphed_equal_native(pair, graphed, num_beams, padding):
+    native, fused = pair
+    ids, mask = _right_padded([4, 9, 6], seed=4) if padding == "right" else _inner_padded(seed=5)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=num_beams,
+              return_dict_in_generate=True)
+    out, ref = fused.generate(ids, **kw), native.generate(ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    _check_graphed(fused, 10, graphed)
+    cache = getattr(out, KW if hasattr(out, KW) else "past_key_values")
+    ref_cache = getattr(ref, KW if hasattr(ref, KW) else "past_key_values")
+    assert isinstance(cache, PagedLatentCache) and cache.padding_starts is None  # the padding was moved back
+    _assert_cache_like_native(cache, ref_cache, mask.repeat_interleave(num_beams, 0), 10)
+
+
+def test_padding_inferred_from_pad_tokens_is_honoured(pair, graphed):
+    """No mask passed: generate infers one from the pad tokens in the ids, and so does the plan."""
+    native, fused = pair
+    ids, _ = _right_padded([4, 9], seed=6)  # pad token 0
+    kw = dict(max_new_tokens=9, do_sample=False)
+    assert torch.equal(fused.generate(ids, **kw), native.generate(ids, **kw))
+    _check_graphed(fused, 9, graphed)
+    assert last_generate_plan(fused).padding is not None
+
+
+def test_sampling_top_p_graphed_equals_native(pair, graphed):
+    native, fused = pair
+    ids, mask = _right_padded([5, 7], seed=7)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, top_p=0.8, num_return_sequences=2)
+    torch.manual_seed(11)
+    ref = native.generate(ids, **kw)
+    torch.manual_seed(11)
+    assert torch.equal(fused.generate(ids, **kw), ref)
+    _check_graphed(fused, 10, graphed)
+
+
+@pytest.mark.parametrize("with_config", [True, False])
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_callers_dynamic_cache_is_converted_and_filled(pair, graphed, with_config, num_beams):
+    """An empty DynamicCache: the call runs graphed on a static paged cache, and the caller's cache ends holding
+    native's latent; an output that returns a cache returns the caller's."""
+    native, fused = pair
+    ids, mask = _right_padded([6, 3], seed=8)
+    cache = DynamicCache(config=fused.config) if with_config else DynamicCache()
+    native_cache = DynamicCache(config=native.config)
+    kw = dict(attention_mask=mask, max_new_tokens=9, do_sample=False, num_beams=num_beams,
+              return_dict_in_generate=True)
+    out = fused.generate(ids, **{KW: cache}, **kw)
+    ref = native.generate(ids, **{KW: native_cache}, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    _check_graphed(fused, 9, graphed)
+    assert type(cache) is DynamicCache and any(getattr(out, name, None) is cache for name in (KW, "past_key_values"))
+    _assert_cache_like_native(cache, native_cache, mask.repeat_interleave(num_beams, 0), 9)
+
+
+@pytest.mark.parametrize("where", ["argument", "generation_config"])
+@pytest.mark.parametrize("implementation", ["static", "dynamic"])
+def test_cache_implementation_graphed_equals_native(pair, graphed, where, implementation):
+    native, fused = pair
+    ids, mask = left_padded_prompts([4, 7], seed=9)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=2)
+    ref = native.generate(ids, cache_implementation=implementation, **kw)
+    if where == "argument":
+        out = fused.generate(ids, cache_implementation=implementation, **kw)
+    else:
+        previous = fused.generation_config.cache_implementation
+        fused.generation_config.cache_implementation = implementation
+        try:
+            out = fused.generate(ids, **kw)
+        finally:
+            fused.generation_config.cache_implementation = previous
+    assert torch.equal(out, ref)
+    _check_graphed(fused, 10, graphed)
+
+
+def test_caches_that_stay_eager_say_why_and_equal_native(pair, graphed):
+    native, fused = pair
+    ids, mask = left_padded_prompts([4, 7], seed=10)
+    kw = dict(attention_mask=mask, max_new_tokens=9, do_sample=False)
+    ref = native.generate(ids, **kw)
+    cases = {
+        "growing PagedLatentCache": PagedLatentCache(fused, page_size=4),
+        "StaticCache": StaticCache(config=fused.config, max_cache_len=32),
+    }
+    for why, cache in cases.items():
+        assert torch.equal(fused.generate(ids, **{KW: cache}, **kw), ref), why
+        plan = last_generate_plan(fused)
+        assert not plan.graphed and why in plan.reason and plan.cache is None
+    # a DynamicCache that already holds the prompt (a continuation) runs as given
+    cache, native_cache = DynamicCache(config=fused.config), DynamicCache(config=native.config)
+    with torch.no_grad():
+        fused(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], **{KW: cache}, use_cache=True)
+        native(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], **{KW: native_cache}, use_cache=True)
+    out = fused.generate(ids, **{KW: cache}, **kw)
+    assert torch.equal(out, native.generate(ids, **{KW: native_cache}, **kw))
+    assert "already holds tokens" in last_generate_plan(fused).reason
+    for extra, why in [(dict(use_cache=False), "use_cache=False"), (dict(max_new_tokens=3), "new tokens"),
+                       (dict(output_hidden_states=True, return_dict_in_generate=True), "hidden states")]:
+        fused.generate(ids, **{**kw, **extra})
+        assert why in last_generate_plan(fused).reason
+
+
+@pytest.mark.parametrize("mode", ["assistant", "prompt_lookup"])
+def test_assisted_and_prompt_lookup_decoding_equal_native_eagerly(pair, graphed, mode):
+    """Verification forwards of several tokens are not replayed (yet): the plan says so, the tokens are native's."""
+    native, fused = pair
+    ids, mask = left_padded_prompts([12], seed=12)
+    ids = torch.cat([ids, ids[:, 2:8]], 1)  # a repeat for prompt lookup to find
+    mask = torch.ones_like(ids)
+    extra = dict(assistant_model=tiny_deepseek(seed=5, layers=1)) if mode == "assistant" \
+        else dict(prompt_lookup_num_tokens=3)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, **extra)
+    assert torch.equal(fused.generate(ids, **kw), native.generate(ids, **kw))
+    plan = last_generate_plan(fused)
+    assert not plan.graphed and "verifies several tokens" in plan.reason
+
+
+def test_in_place_reorder_keeps_addresses_and_equals_a_copy(pair):
+    """The cache API a replayed beam step relies on: a reorder permutes block-table rows in place (same buffers),
+    reads back exactly ``old[beam_idx]``, and a crop afterwards gives every sequence its own pages again before it
+    writes; continuing equals native's DynamicCache put through the same reorders and crop."""
+    native, fused = pair
+    ids, mask = left_padded_prompts([10, 7, 9, 4], seed=13)  # rows of different left padding: starts move too
+    cache = PagedLatentCache(fused, page_size=4, static=True, max_seq_len=24, max_cache_tokens=4 * 24)
+    cache.set_left_padding(10 - mask.sum(1))
+    ref_cache = DynamicCache(config=native.config)
+    step = torch.tensor([[5], [6], [7], [8]])
+    positions = mask.sum(1, keepdim=True)
+
+    def both_step():  # fused: no mask (the cache's starts), native: its mask
+        nonlocal mask, positions
+        mask = torch.cat([mask, torch.ones_like(step)], 1)
+        a = fused(input_ids=step, position_ids=positions, **{KW: cache}, use_cache=True).logits
+        b = native(input_ids=step, position_ids=positions, attention_mask=mask, **{KW: ref_cache}, use_cache=True)
+        torch.testing.assert_close(a, b.logits, atol=1e-5, rtol=1e-4)
+        positions = positions + 1
+
+    with torch.no_grad():
+        fused(input_ids=ids, attention_mask=mask, **{KW: cache}, use_cache=True)
+        native(input_ids=ids, attention_mask=mask, **{KW: ref_cache}, use_cache=True)
+        layer = cache.layers[1]
+        addresses = [t.data_ptr() for t in layer.buffers()]
+        for beam_idx in (torch.tensor([2, 2, 0, 1]), torch.tensor([1, 1, 1, 3])):
+            before = layer.gather().clone()
+            cache.reorder_cache(beam_idx)
+            ref_cache.reorder_cache(beam_idx)
+            mask, positions = mask[beam_idx], positions[beam_idx]
+            assert torch.equal(layer.gather(), before[beam_idx])
+            both_step()
+        assert [t.data_ptr() for t in layer.buffers()] == addresses
+        assert layer.host_tables[0][:2] == layer.host_tables[1][:2] == layer.host_tables[2][:2]  # shared pages
+        cache.crop(-5)
+        ref_cache.crop(-5)
+        mask, positions = mask[:, :-5], positions - 5
+        assert all(row[1:] == own[1:] for row, own in zip(layer.host_tables, layer.home))
+        for _ in range(3):
+            both_step()
+        assert [t.data_ptr() for t in layer.buffers()] == addresses
+
+
+def test_beam_search_through_the_triton_kernels(monkeypatch, graphed):
+    """The Triton page write and decode kernels (interpreted) read the permuted block tables from device memory."""
+    import mla_fuser.kernels.mla_decode as decode
+    import mla_fuser.kernels.paged_cache_ops as ops
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+    launches = []
+    for module, name in ((decode, "mla_decode_triton"), (ops, "paged_append_triton")):
+        def spy(*args, _original=getattr(module, name), _name=name, **kwargs):
+            launches.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    native = tiny_deepseek(layers=1)
+    fused = tiny_deepseek(attn="vllm_mla", layers=1)
+    mla_fuser.fuse(fused)
+    ids, mask = _right_padded([3, 6], seed=14)
+    cache = PagedLatentCache(fused, page_size=4, static=True, max_seq_len=16, max_cache_tokens=4 * 16)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, num_beams=2)
+    out = fused.generate(ids, **{KW: cache}, **kw)
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "torch")
+    assert torch.equal(out, native.generate(ids, **kw))
+    _check_graphed(fused, 8, graphed)
+    assert launches.count("mla_decode_triton") >= 7 and launches.count("paged_append_triton") >= 7

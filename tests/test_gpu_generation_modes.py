@@ -1,0 +1,170 @@
+"""Graphed generation modes on a GPU, bf16, DeepSeek-V2-Lite layer shape (skipped without CUDA).
+
+What a CPU cannot show (``test_generation_modes.py`` runs the same plans eagerly there): a CUDA-graph replay after beam
+reorders gives the eager step's logits, every graphed mode captures its step exactly once per call (the cache keeps
+its memory across reorders and padding moves), and the tokens agree with native ``sdpa`` within bf16 rounding, judged
+as ``test_gpu.py`` does (a split between the paths must be at a near-tie of native's own logits; beam search re-ranks
+on near-ties, so its agreement is reported, not asserted).  Results go to stdout and, when ``MLA_FUSER_GPU_RESULTS``
+names a file, to that JSON file (``<name>.modes.json`` beside it).
+
+    python -m pytest tests/test_gpu_generation_modes.py -q
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+import mla_fuser  # noqa: E402
+from mla_fuser.cache import PagedLatentCache  # noqa: E402
+from mla_fuser.compat import cache_keyword  # noqa: E402
+from mla_fuser.presets import preset_config  # noqa: E402
+from mla_fuser.runtime.generate import last_generate_plan  # noqa: E402
+
+from conftest import left_padded_prompts  # noqa: E402
+
+RESULTS = {}
+NEW_TOKENS = 24
+TOLERANCE = 3e-2  # the bf16 bound of test_gpu.py (decode logits, divergence gaps)
+
+
+def _build(attn, layers=4):
+    from transformers import AutoModelForCausalLM
+
+    cfg = preset_config("deepseek-v2-lite", num_hidden_layers=layers)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.bfloat16).eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    native, fused = _build("sdpa"), _build("vllm_mla")
+    fused.load_state_dict(native.state_dict())
+    mla_fuser.fuse(fused)
+    yield native, fused
+    path = os.environ.get("MLA_FUSER_GPU_RESULTS")
+    print(json.dumps(RESULTS, indent=2))
+    if path:
+        with open(os.path.splitext(path)[0] + ".modes.json", "w") as fh:
+            json.dump(RESULTS, fh, indent=2)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+
+
+def _right_padded(lengths, vocab, seed):
+    ids, mask = left_padded_prompts(lengths, vocab, seed)
+    return ids.flip(1).cuda(), mask.flip(1).cuda()
+
+
+@torch.no_grad()
+def test_graph_replay_after_beam_reorders_equals_the_eager_step(models):
+    """The same prefill, token feed and beam reorders (duplicates included, across a page boundary) through an eager
+    DecodeGraph and a captured one: logits within bf16 rounding, one capture for all reorders; a cache whose memory
+    moves is captured again."""
+    _, fused = models
+    vocab = fused.config.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab, (4, 120), generator=gen).cuda()
+    feed = torch.randint(3, vocab, (14, 4, 1), generator=gen).cuda()
+    reorders = {3: [1, 1, 3, 0], 6: [2, 0, 2, 2], 9: [3, 2, 1, 0], 11: [0, 0, 0, 1]}
+    runs = []
+    for capture in (False, True):
+        cache = PagedLatentCache.static_for(fused, 4, 160)
+        fused(input_ids=ids, **{cache_keyword(fused): cache}, use_cache=True)
+        step = mla_fuser.DecodeGraph(fused, cache, capture=capture)
+        logits = []
+        for i in range(14):
+            if i in reorders:
+                cache.reorder_cache(torch.tensor(reorders[i], device="cuda"))
+            logits.append(step(feed[i], torch.full_like(feed[i], ids.shape[1] + i)))
+        runs.append((torch.stack(logits, 1), step, cache))
+    (eager, _, eager_cache), (graph, step, cache) = runs
+    RESULTS["beam_replay_rel_err_vs_eager"] = _rel(eager, graph)
+    RESULTS["beam_replay_captures"] = step.captures
+    assert step.captures == 1 and step.layouts == 1
+    assert cache.get_seq_length() == eager_cache.get_seq_length() == 120 + 14
+    assert RESULTS["beam_replay_rel_err_vs_eager"] < 1e-2
+    assert torch.equal(cache.layers[1].block_table, eager_cache.layers[1].block_table)  # the same bookkeeping
+    # memory that moved (here: a pool swapped for a copy) is never replayed on: the step is captured again
+    layer = cache.layers[1]
+    layer.pool.pages = layer.pool.pages.clone()
+    step(feed[0], torch.full_like(feed[0], 120 + 14))
+    assert step.captures == 2
+
+
+def _cases(vocab):
+    left_ids, left_mask = (t.cuda() for t in left_padded_prompts([17, 64, 40], vocab, seed=1))
+    right_ids, right_mask = _right_padded([17, 64, 40], vocab, seed=1)
+    full = torch.ones(2, 64, dtype=torch.long)
+    even_ids = torch.randint(3, vocab, (2, 64), generator=torch.Generator().manual_seed(2)).cuda()
+    return {
+        "beam2": (even_ids, full.cuda(), dict(num_beams=2), None),
+        "beam3_right_padded": (right_ids, right_mask, dict(num_beams=3, length_penalty=0.5), None),
+        "right_padded": (right_ids, right_mask, {}, None),
+        "inner_padded": (left_ids, left_mask.index_fill(1, torch.tensor([50], device="cuda"), 0), {}, None),
+        "sample_top_p": (left_ids, left_mask, dict(do_sample=True, top_p=0.9), None),
+        "dynamic_cache": (right_ids, right_mask, {}, "dynamic"),
+        "static_paged_cache_beam2": (even_ids, full.cuda(), dict(num_beams=2), "static_paged"),
+        # (Transformers would compile native's forward over its StaticCache on CUDA: not what is compared here)
+        "cache_implementation_static": (left_ids, left_mask, dict(cache_implementation="static", disable_compile=True),
+                                        None),
+    }
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["beam2", "beam3_right_padded", "right_padded", "inner_padded", "sample_top_p",
+                                  "dynamic_cache", "static_paged_cache_beam2", "cache_implementation_static"])
+def test_generation_modes_graphed_capture_once_and_agree_with_native(models, mode):
+    from transformers import DynamicCache
+
+    native, fused = models
+    ids, mask, extra, user_cache = _cases(native.config.vocab_size)[mode]
+    kw = {**dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False), **extra}
+    torch.manual_seed(5)
+    ref = native.generate(ids, **kw)
+    copies = extra.get("num_beams", 1)
+    if user_cache == "dynamic":
+        kw[cache_keyword(fused)] = cache = DynamicCache(config=fused.config)
+    elif user_cache == "static_paged":
+        kw[cache_keyword(fused)] = PagedLatentCache.static_for(fused, ids.shape[0] * copies, 64 + NEW_TOKENS + 1)
+    torch.manual_seed(5)
+    out = fused.generate(ids, **kw)
+    plan = last_generate_plan(fused)
+    RESULTS[f"{mode}_plan"] = dict(graphed=plan.graphed, steps=plan.steps, captures=plan.captures,
+                                   layouts=plan.layouts, reason=plan.reason)
+    assert plan.graphed, plan.reason
+    assert plan.steps == NEW_TOKENS - 1 and plan.captures == 1 and plan.layouts == 1
+    if user_cache == "dynamic":
+        assert cache.get_seq_length() == ids.shape[1] + NEW_TOKENS - 1
+    new_ref, new_out = ref[:, ids.shape[1]:], out[:, ids.shape[1]:]
+    first = [(r != o).nonzero()[0].item() if (r != o).any() else r.numel() for r, o in zip(new_ref, new_out)]
+    RESULTS[f"{mode}_first_divergence"] = first
+    RESULTS[f"{mode}_token_agreement"] = float((new_ref == new_out).float().mean())
+    if copies == 1 and not extra.get("do_sample"):  # beams re-rank and samples redraw on near-ties: reported
+        gaps = _divergence_gaps(native, out, mask, ids.shape[1], first, new_ref)
+        RESULTS[f"{mode}_divergence_logit_gaps"] = gaps
+        assert max(gaps, default=0.0) < TOLERANCE, f"fused and native split on a clear preference: {gaps}"
+
+
+@torch.no_grad()
+def _divergence_gaps(native, fused_out, mask, prompt_len, first, native_tokens):
+    """As in test_gpu.py: where the paths split, native's preference for its own token over fused's, relative to
+    the logits' scale, from native's logits teacher-forced on the fused sequence (common prefix up to the split)."""
+    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], fused_out.shape[1] - prompt_len)], dim=1)
+    logits = native(input_ids=fused_out, attention_mask=full_mask, use_cache=False).logits.float()
+    gaps = []
+    for row, t in enumerate(first):
+        if t >= native_tokens.shape[1]:
+            continue
+        scores = logits[row, prompt_len + t - 1]
+        gap = scores[native_tokens[row, t]] - scores[fused_out[row, prompt_len + t]]
+        gaps.append(max(0.0, (gap / scores.abs().max()).item()))
+    return gaps
