@@ -13,7 +13,15 @@ each against ``block_fp8_linear_ref`` (fp32) as max|out - ref| / max|ref|.  The 
 ``copy_``, bytes read + written) is measured in the same run.  A failing variant is recorded with its error and the
 run goes on.
 
-GPU: ``python benchmarks/bench_fp8_gemm.py --out benchmarks/results/fp8_gemm.json`` (a few minutes on an H200).
+``--experts`` runs the block-FP8 experts instead (``fused_experts_fp8``, :mod:`mla_fuser.kernels.fused_moe`): the
+grouped GEMMs of one MoE layer at DeepSeek-V2-Lite's expert shapes (64 experts, hidden 2048, moe_intermediate 1408,
+top-6 of random router scores), T in {1, 16, 64, 512, 8192} tokens, 128x128 block scales per expert, against bf16
+``fused_experts`` on the same weights in the same run: median ms, the speed-up, the bytes of the experts the tokens
+picked over the time (``*_weight_GBps``, and as a fraction of the copy bandwidth), and the error against
+``fused_experts_fp8_ref`` (fp32 on the dequantised weights).  JSON: ``benchmarks/results/fp8_experts.json``.
+
+GPU: ``python benchmarks/bench_fp8_gemm.py --out benchmarks/results/fp8_gemm.json`` (a few minutes on an H200);
+``python benchmarks/bench_fp8_gemm.py --experts --out benchmarks/results/fp8_experts.json``.
 CPU check of the whole flow: ``python benchmarks/bench_fp8_gemm.py --dry-run`` (tiny shapes under Triton's
 interpreter; its numbers mean nothing; writes to a temp dir unless ``--out`` is given).
 """
@@ -45,7 +53,65 @@ def parse_args(argv=None):
     p.add_argument("--out", default="", help="JSON file (default benchmarks/results/fp8_gemm.json; temp dir on --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--rep", type=int, default=50, help="do_bench rep (ms)")
+    p.add_argument("--experts", action="store_true", help="FP8 vs bf16 fused MoE experts at V2-Lite shapes instead")
     return p.parse_args(argv)
+
+
+EXPERTS = dict(num_experts=64, hidden=2048, inter=1408, topk=6)  # DeepSeek-V2-Lite's routed experts
+TINY_EXPERTS = dict(num_experts=8, hidden=64, inter=40, topk=2)
+
+
+def bench_experts(args, bench, result, device, tokens):
+    """The ``--experts`` section: FP8 vs bf16 fused experts of one MoE layer, one row per token count."""
+    import torch
+    from mla_fuser.kernels.fp8.experts import quantize_expert_stack
+    from mla_fuser.kernels.fused_moe import (fused_experts, fused_experts_fp8, fused_experts_fp8_ref,
+                                             fused_experts_fp8_triton, fused_experts_triton)
+    from mla_fuser.kernels.fused_moe.launch import _choose_path
+
+    shape = TINY_EXPERTS if args.dry_run else EXPERTS
+    e, h, i, k = shape["num_experts"], shape["hidden"], shape["inter"], shape["topk"]
+    block = (16, 16) if args.dry_run else (128, 128)
+    gen = torch.Generator(device=device).manual_seed(0)
+    gate_up = torch.randn(e, 2 * i, h, device=device, generator=gen) * 0.02
+    down = torch.randn(e, h, i, device=device, generator=gen) * 0.02
+    q1, s1 = quantize_expert_stack(gate_up, block, rows=2 * -(-i // block[0]))
+    q2, s2 = quantize_expert_stack(down, block)
+    gate_up, down = gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
+    layout = dict(gate_up_block=block, down_block=block, up_scale_base=s1.shape[1] // 2, up_row_shift=0)
+    result.update(experts_shape=shape, experts_block=block, rows=[])
+    per_expert = {"bf16": 3 * h * i * 2, "fp8": 3 * h * i + 4 * (s1[0].numel() + s2[0].numel())}
+    for t in tokens:
+        x = (torch.randn(t, h, device=device, generator=gen)).to(torch.bfloat16)
+        scores = torch.rand(t, e, device=device, generator=gen)
+        weights, ids = scores.topk(k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        picked = int(torch.unique(ids).numel())
+        ref = fused_experts_fp8_ref(x, q1, s1, q2, s2, ids, weights, **layout).float()
+        # the ops as a model calls them (Triton on CUDA); the dry run calls the Triton launchers themselves
+        bf16_op = fused_experts_triton if args.dry_run else fused_experts
+        fp8_op = fused_experts_fp8_triton if args.dry_run else fused_experts_fp8
+        variants = {"bf16": lambda: bf16_op(x, gate_up, down, ids, weights),
+                    "fp8": lambda: fp8_op(x, q1, s1, q2, s2, ids, weights, **layout)}
+        row = {"tokens": t, "experts_picked": picked, "path": _choose_path("auto", t, t * k)}
+        for label, fn in variants.items():
+            try:
+                out = fn().float()
+                row[f"{label}_rel_err_vs_fp8_ref"] = float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+                ms = bench(fn)
+                row[f"{label}_ms"] = ms
+                row[f"{label}_weight_GBps"] = picked * per_expert[label] / ms / 1e6
+                row[f"{label}_TFLOPs"] = 2 * t * k * 3 * h * i / ms / 1e9
+                if "copy_GBps" in result:
+                    row[f"{label}_frac_of_copy"] = row[f"{label}_weight_GBps"] / result["copy_GBps"]
+            except Exception as exc:  # record and go on
+                row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+                traceback.print_exc()
+        if "fp8_ms" in row and "bf16_ms" in row:
+            row["fp8_speedup_vs_bf16"] = row["bf16_ms"] / row["fp8_ms"]
+        result["rows"].append(row)
+        print(json.dumps({kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in row.items()}), flush=True)
+    return result
 
 
 def main(argv=None):
@@ -88,6 +154,9 @@ def main(argv=None):
         print(f"copy bandwidth {result['copy_GBps']:.0f} GB/s", flush=True)
     has_tc = device == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
     gen = torch.Generator(device=device).manual_seed(0)
+    if args.experts:
+        shapes = {}  # the experts section only
+        bench_experts(args, bench, result, device, [1, 5] if args.dry_run else tokens)
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device=device, generator=gen) * 0.02
         wq, ws = quantize_block_fp8(w, block)
@@ -126,8 +195,9 @@ def main(argv=None):
         del wq, ws, w_bf16
         if device == "cuda":
             torch.cuda.empty_cache()
-    out = args.out or (os.path.join(tempfile.mkdtemp(), "fp8_gemm.json") if args.dry_run
-                       else os.path.join(ROOT, "benchmarks", "results", "fp8_gemm.json"))
+    stem = "fp8_experts.json" if args.experts else "fp8_gemm.json"
+    out = args.out or (os.path.join(tempfile.mkdtemp(), stem) if args.dry_run
+                       else os.path.join(ROOT, "benchmarks", "results", stem))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

@@ -9,8 +9,13 @@ DeepGEMM), which fails without Hub access, and has no CPU path.
 
 Run before every other fuser (``fuse_fp8_linears`` from ``fusion.fuse``): the capture forward that the MLA and MoE
 fusers trace with calls every linear.  Declined modules (UE8M0 or FP4 scales, missing or misshapen scales) keep
-their own forward and get a ``fallback`` row saying why.  Three-dimensional FP8 expert stacks are not linears and
-not handled here (the MoE fuser reports them).
+their own forward and get a ``fallback`` row saying why.
+
+Block-FP8 expert stacks (an experts module holding float8 ``gate_up_proj``/``down_proj`` with per-expert block
+scales, ``kernels.fp8.experts``) are switched here too, to the ``"mla_fuser"`` experts implementation
+(``fusers.moe.experts``: ``fused_experts_fp8``), for the same reason: the capture forward calls them, and
+Transformers' FP8 experts implementations fetch a Hub kernel.  Their row (``fuser`` "fp8") says what was taken over
+or why not; the MoE fuser's row for the block around them follows as for any experts module.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import torch
 from torch import nn
 
 from ..kernels.fp8 import BlockFP8Layout, block_fp8_linear, explain_block_fp8, holds_quantized_weight
+from ..kernels.fp8.experts import holds_fp8_experts
 from ..kernels.fp8.format import FP8_DTYPE, PLAN_ATTR, SCALE_NAME
-from .base import FusionRow
+from .base import FusionRow, NoMatch
+from .moe.experts import explain_fp8_experts_module, interface_experts_dispatcher, switch_experts
 
 NAME = "fp8"
 # (the report row says where it runs; the README's FP8 section says how: Triton on GPU, weight-only below
@@ -114,10 +121,14 @@ def model_compute_dtype(model: nn.Module) -> torch.dtype:
 
 
 def fuse_fp8_linears(model: nn.Module) -> list[FusionRow]:
-    """Take over every block-FP8 linear of ``model``; one row per module that holds a quantised weight."""
+    """Take over every block-FP8 linear and FP8 experts module of ``model``; one row per module that holds a
+    quantised weight or expert stack."""
     rows = []
     dtype = None
     for name, module in model.named_modules():
+        if name and holds_fp8_experts(module):
+            rows.append(fuse_fp8_experts(module, name))
+            continue
         if not name or not FP8LinearFuser.is_candidate(module):
             continue
         layout, reason = FP8LinearFuser.explain(module)
@@ -128,3 +139,26 @@ def fuse_fp8_linears(model: nn.Module) -> list[FusionRow]:
             dtype = dtype or model_compute_dtype(model)
             rows.append(FP8LinearFuser.apply(module, layout, name, dtype))
     return rows
+
+
+def fuse_fp8_experts(module: nn.Module, qualname: str) -> FusionRow:
+    """Switch one experts module with FP8 stacks to the ``"mla_fuser"`` implementation (``fused_experts_fp8``), or
+    say why it keeps its own (a decorated module only: the implementation is chosen through its registry)."""
+    row = FusionRow(qualname, type(module).__name__, NAME, "fallback")
+    layout, reason = explain_fp8_experts_module(module)
+    if layout is None:
+        row.reason = f"{reason}; the experts keep their own forward"
+        return row
+    if interface_experts_dispatcher(module) is None:
+        row.reason = "FP8 experts not dispatched through an experts interface (@use_experts_implementation)"
+        return row
+    try:
+        how = switch_experts(module)
+    except NoMatch as exc:
+        row.reason = str(exc)
+        return row
+    row.status = "fused"
+    row.reason = f"{layout.describe()}: mla-fuser's fused MoE kernel, weight-only FP8 (no Hub kernel); {how}"
+    if layout.static_activation_scale:
+        row.reason += "; static activation scales unused (activations stay unquantised)"
+    return row

@@ -8,6 +8,11 @@ gives one experts instance a config *view* (``_ExpertsConfigView``) that names `
 model's own choice is unchanged since fusion; other blocks (declined ones included) keep theirs.  Generate's
 decode-time swap to ``batched_mm`` is told apart from a user's choice by a ``ContextVar`` that
 ``keep_fused_experts`` sets (the runtime's ``generate`` enters it for models with ``has_switched_experts``).
+
+Block-FP8 experts (float8 ``gate_up_proj``/``down_proj`` stacks with per-expert block scales, recognised by those
+tensors: ``kernels.fp8.experts``) run ``fused_experts_fp8``.  Transformers gives its FP8 experts their own
+``FP8ExpertsInterface`` (a registry apart from ``ExpertsInterface``), so ``"mla_fuser"`` is registered there too;
+its own FP8 implementations fetch a kernel from the Hugging Face Hub, so FP8 experts never defer to them on a CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from torch import nn
 
 from ... import compat
 from ...kernels.dispatch import requested_backend
+from ...kernels.fp8.experts import FP8ExpertsLayout, explain_fp8_experts, fp8_expert_tensors
+from ...kernels.fp8.format import FP8_DTYPE
 from ..base import NoMatch
 from .mlp import activation_name
 from .specs import KERNEL_DTYPES, MoEMatch
@@ -156,7 +163,9 @@ def _previous_implementation(experts: nn.Module):
     """What runs when the kernel cannot: the implementation the model had chosen before fusion."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    return ALL_EXPERTS_FUNCTIONS.get(_previous_name(experts), inspect.unwrap(type(experts).forward))
+    registry = interface_experts_dispatcher(experts)  # (FP8 experts dispatch through their own registry)
+    registry = ALL_EXPERTS_FUNCTIONS if registry is None else registry
+    return registry.get(_previous_name(experts), inspect.unwrap(type(experts).forward))
 
 
 # Token counts at which Transformers' own ``grouped_mm`` is faster on a CPU than the fused op's torch path there
@@ -172,7 +181,7 @@ CPU_GROUPED_MM_TOKENS = range(3, 1024)
 def _defers_to_grouped_mm(experts: nn.Module, hidden: torch.Tensor) -> bool:
     """An eager CPU call whose size ``grouped_mm`` runs faster, in a model that had chosen it (compiled calls keep
     the op: one opaque node)."""
-    return (not torch.compiler.is_compiling() and hidden.is_cpu
+    return (not torch.compiler.is_compiling() and hidden.is_cpu and not _is_fp8(experts)
             and hidden.numel() // max(1, hidden.shape[-1]) in CPU_GROUPED_MM_TOKENS
             and requested_backend() is None and _previous_name(experts) == "grouped_mm")
 
@@ -205,6 +214,8 @@ def mla_fuser_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     """
     from ...kernels.fused_moe import fused_experts
 
+    if _is_fp8(self):
+        return _fp8_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     if not _kernel_supports(self, hidden_states, top_k_weights) or _defers_to_grouped_mm(self, hidden_states):
         return _previous_implementation(self)(self, hidden_states, top_k_index, top_k_weights)
     gate_up, down = self.gate_up_proj, self.down_proj
@@ -219,10 +230,16 @@ def mla_fuser_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
 
 
 def register_experts_implementation() -> None:
-    """Register ``"mla_fuser"`` in Transformers' ``ExpertsInterface`` (class-wide, every instance sees it)."""
+    """Register ``"mla_fuser"`` in Transformers' ``ExpertsInterface`` (class-wide, every instance sees it), and in
+    its FP8 experts' own registry (``FP8ExpertsInterface``: a subclass with a mapping of its own)."""
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(IMPL_NAME, mla_fuser_experts_forward)
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:  # pragma: no cover - a Transformers without FP8 experts
+        return
+    FP8ExpertsInterface.register(IMPL_NAME, mla_fuser_experts_forward)
 
 
 register_experts_implementation()
@@ -230,14 +247,22 @@ register_experts_implementation()
 
 def apply_interface(module: nn.Module, match: MoEMatch) -> str:
     """Switch this block's experts module (only it) to ``"mla_fuser"``; says how, or raises ``NoMatch``."""
-    experts = module.get_submodule(match.experts)
+    return switch_experts(module.get_submodule(match.experts))
+
+
+def switch_experts(experts: nn.Module) -> str:
+    """Switch one decorated experts module to ``"mla_fuser"``; says how, or raises ``NoMatch``."""
     if isinstance(getattr(experts, "config", None), _ExpertsConfigView):
         return f"experts_implementation {IMPL_NAME!r} (already)"
     dispatcher = interface_experts_dispatcher(experts)
     if dispatcher is None or IMPL_NAME not in dispatcher:
         raise NoMatch("the experts dispatch through an interface without the 'mla_fuser' implementation")
     dtype = experts.gate_up_proj.dtype
-    if dtype not in KERNEL_DTYPES:
+    if dtype == FP8_DTYPE:
+        layout, reason = explain_fp8_experts_module(experts)
+        if layout is None:
+            raise NoMatch(reason)
+    elif dtype not in KERNEL_DTYPES:
         raise NoMatch(f"experts weights are {dtype}: the kernel takes float16, bfloat16 or float32")
     config = getattr(experts, "config", None)
     if config is None:
@@ -248,3 +273,89 @@ def apply_interface(module: nn.Module, match: MoEMatch) -> str:
         return f"experts_implementation {IMPL_NAME!r} (selected by the model)"
     experts.config = _ExpertsConfigView(config)
     return f"experts module switched to experts_implementation {IMPL_NAME!r}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# block-FP8 experts
+
+
+_FP8_ATTR = "_mla_fuser_fp8_experts"
+_GATE_ATTR = "_mla_fuser_default_gate"
+
+
+def _is_fp8(experts: nn.Module) -> bool:
+    gate_up = getattr(experts, "gate_up_proj", None)
+    return isinstance(gate_up, torch.Tensor) and gate_up.dtype == FP8_DTYPE
+
+
+def gate_is_default(experts: nn.Module) -> bool:
+    """Whether the experts' ``_apply_gate`` computes Transformers' default ``act(gate) * up``: the default itself,
+    or an override whose optional branches (softcaps, clamps, SwiGLU-OAI) are all off here -- told by running it
+    on probes from 1e-3 to 1e4 in magnitude (a clamp or a softcap changes some of them).  Remembered on the module
+    for its ``_apply_gate`` and activation."""
+    default = compat.default_apply_gate()
+    gate_fn = getattr(type(experts), "_apply_gate", default)
+    if gate_fn is default:
+        return True
+    act = getattr(experts, "act_fn", None)
+    cached = experts.__dict__.get(_GATE_ATTR)
+    if cached is not None and cached[0] is gate_fn and cached[1] is act:
+        return cached[2]
+    magnitudes = torch.tensor([0.0, 1e-3, 0.1, 0.7, 1.0, 2.5, 6.0, 7.5, 10.0, 30.0, 100.0, 1e3, 1e4])
+    values = torch.cat([magnitudes, -magnitudes[1:]])
+    gate, up = torch.meshgrid(values, values, indexing="ij")
+    probe = torch.cat([gate.reshape(-1, 1), up.reshape(-1, 1)], dim=1)
+    try:
+        with torch.no_grad():
+            same = torch.allclose(gate_fn(experts, probe), default(experts, probe), rtol=1e-6, atol=0, equal_nan=True)
+    except Exception:  # noqa: BLE001 - a gate we cannot probe is not the default one
+        same = False
+    object.__setattr__(experts, _GATE_ATTR, (gate_fn, act, same))
+    return same
+
+
+def explain_fp8_experts_module(experts: nn.Module) -> tuple[FP8ExpertsLayout | None, str]:
+    """``(layout, "")`` when ``fused_experts_fp8`` computes what this experts module's contract says, else
+    ``(None, reason)``: the stacks' format (``kernels.fp8.experts``) and the decorator's flags."""
+    layout, reason = explain_fp8_experts(experts)
+    if layout is None:
+        return None, f"FP8 experts: {reason}"
+    if getattr(experts, "has_gate", True) is not True or getattr(experts, "has_post_expert_norm", False):
+        return None, "FP8 experts without gate or with a post-expert norm: not supported by the fused kernel"
+    if getattr(experts, "is_concatenated", True) is False:
+        return None, "FP8 experts with is_concatenated=False: not supported by the fused kernel"
+    if not gate_is_default(experts):
+        return None, "FP8 experts whose gating function (_apply_gate) is not act(gate) * up"
+    if _experts_activation(experts) is None:
+        return None, "FP8 experts activation is not silu, gelu, gelu_tanh or relu"
+    return layout, ""
+
+
+def _fp8_layout(experts: nn.Module) -> FP8ExpertsLayout | None:
+    """The stacks' layout, remembered on the module for their shapes, dtypes and block size (what it depends on)."""
+    tensors = fp8_expert_tensors(experts)
+    block = getattr(experts, "block_size", None)
+    key = (tuple((tuple(t.shape), t.dtype) if t is not None else None for t in tensors),
+           tuple(block) if block is not None else None, getattr(experts, "act_fn", None))
+    cached = experts.__dict__.get(_FP8_ATTR)
+    if cached is None or cached[0] != key:
+        cached = (key, explain_fp8_experts_module(experts)[0])
+        object.__setattr__(experts, _FP8_ATTR, cached)
+    return cached[1]
+
+
+def _fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Block-FP8 experts on ``fused_experts_fp8``: Triton on CUDA, the torch reference on a CPU and while autograd
+    records.  Stacks it cannot run (a changed format, expert parallelism) go to the implementation chosen before."""
+    from ...kernels.fused_moe import fused_experts_fp8
+
+    layout = _fp8_layout(self)
+    if layout is None or getattr(self, "_is_expert_parallel", False) or self.gate_up_proj.is_meta:
+        return _previous_implementation(self)(self, hidden_states, top_k_index, top_k_weights)
+    gate_up, gate_up_scale, down, down_scale = fp8_expert_tensors(self)
+    return fused_experts_fp8(
+        hidden_states, gate_up, gate_up_scale, down, down_scale, top_k_index, top_k_weights,
+        gate_up_block=layout.gate_up_block, down_block=layout.down_block, up_scale_base=layout.up_scale_base,
+        up_row_shift=layout.up_row_shift, activation=_experts_activation(self),
+    )

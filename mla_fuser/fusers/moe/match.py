@@ -21,8 +21,9 @@ from torch import nn
 from ... import compat
 from ... import graph as g
 from ...fx_ops import attr_of, op_name
+from ...kernels.fp8.format import FP8_DTYPE
 from ..base import Fuser, FusionRow, NoMatch, common_input_width, shape_key
-from .experts import apply_interface, interface_experts_dispatcher
+from .experts import apply_interface, explain_fp8_experts_module, interface_experts_dispatcher
 from .inline import inline_children
 from .mlp import activation_name, fingerprint, mlp_spec
 from .router import Interpreter, Sym, router_spec, shape_of
@@ -156,6 +157,9 @@ def _find_experts(module: nn.Module):
 
 def _interface_layout(experts: nn.Module) -> dict:
     """The decorated experts' layout, from the decorator's flags on the instance and the 3-D weights."""
+    gate_up = getattr(experts, "gate_up_proj", None)
+    if isinstance(gate_up, torch.Tensor) and gate_up.dtype == FP8_DTYPE:
+        return _fp8_interface_layout(experts)
     flags = {k: getattr(experts, k, None) for k in ("has_gate", "has_bias", "has_post_expert_norm", "is_transposed",
                                                       "is_concatenated")}
     if flags["has_gate"] is not True:
@@ -192,6 +196,22 @@ def _interface_layout(experts: nn.Module) -> dict:
     if state - known:
         raise NoMatch(f"experts hold state the kernel does not use: {sorted(state - known)}")
     return dict(hidden=hidden, experts=num, inter=two_inter // 2, activation=act, transposed=transposed, bias=bias)
+
+
+def _fp8_interface_layout(experts: nn.Module) -> dict:
+    """Block-FP8 stacks (``kernels.fp8.experts``): their scales are state the kernel uses, and the gate may be a
+    class's own ``_apply_gate`` as long as it computes the default one (``experts.gate_is_default``)."""
+    layout, reason = explain_fp8_experts_module(experts)
+    if layout is None:
+        raise NoMatch(reason)
+    state = {n for n, _ in experts.named_parameters()} | {n for n, _ in experts.named_buffers()}
+    known = {"gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv"}
+    if layout.static_activation_scale:
+        known |= {"gate_up_proj_activation_scale", "down_proj_activation_scale"}
+    if state - known:
+        raise NoMatch(f"FP8 experts hold state the kernel does not use: {sorted(state - known)}")
+    return dict(hidden=layout.hidden, experts=layout.num_experts, inter=layout.inter,
+                activation=activation_name(experts.act_fn), transposed=False, bias=False)
 
 
 def _module_list_spec(items: list[nn.Module], hidden_size: int) -> MLPSpec:

@@ -52,6 +52,11 @@ math), :mod:`.cpu` (the torch path for CPU tensors: the reference's math with th
 torch chosen by :func:`mla_fuser.kernels.dispatch.use_triton`), re-exporting :func:`fused_experts_ref`, :func:`fused_experts_cpu`,
 :func:`fused_experts_triton`, :func:`align_tokens_to_experts` / :func:`align_tokens_to_experts_ref`, the router
 reference :func:`route_topk_ref` and the config helpers.
+
+Block-FP8 experts (e4m3 stacks with fp32 scales per expert and block, as DeepSeek-format checkpoints ship them):
+:func:`fused_experts_fp8` (custom op ``mla_fuser::fused_experts_fp8``), the same paths with a weight-only
+dequantising GEMM (:mod:`.fp8_kernels`, launched from :mod:`.fp8_launch`) and the torch reference
+:func:`fused_experts_fp8_ref` (:mod:`.fp8_reference`).
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ from .launch import (
     small_batch_max_tokens,
 )
 from .cpu import fused_experts_cpu
+from .fp8_launch import fused_experts_fp8, fused_experts_fp8_triton
+from .fp8_reference import fused_experts_fp8_ref
 from .reference import align_tokens_to_experts_ref, fused_experts_ref, route_topk_ref
 
 __all__ = [
@@ -85,6 +92,9 @@ __all__ = [
     "default_config",
     "fused_experts",
     "fused_experts_cpu",
+    "fused_experts_fp8",
+    "fused_experts_fp8_ref",
+    "fused_experts_fp8_triton",
     "fused_experts_ref",
     "fused_experts_triton",
     "get_moe_config",

@@ -1,0 +1,135 @@
+"""The block-FP8 expert-grouped GEMM: ``moe_gemm_kernel`` (:mod:`.triton_kernels`) with e4m3 weights and per-expert
+block scales, weight-only.
+
+Why weight-only: an MoE layer at decode reads six or eight experts' weights for a handful of tokens, so it is bound
+by the bytes of weights it reads, which e4m3 halves; the activations stay in their dtype (no quantisation error
+added, and no quantisation kernel launched).  Each ``[BLOCK_K, BLOCK_N]`` weight tile is loaded as e4m3 (one byte
+per weight), widened to the activations' dtype (exact: every e4m3 value is a bf16/fp16 value), multiplied on the
+tensor cores, and the fp32 partial product is scaled per output column by ``scale[e, row(n), k0 // QBK]``
+(``BLOCK_K`` divides the quantisation block's ``bk``, so one K tile lies in one scale column).  The gate/up rows'
+scale rows follow the stack's layout (``kernels.fp8.experts``): gate row ``n`` -> ``n // QBN``, up row ``n`` ->
+``UP_SCALE_BASE + (n + UP_ROW_SHIFT) // QBN``.
+
+Everything else (aligned and small-batch grids, the pair compaction, the fused ``act(gate) * up``, the routing
+weight in GEMM2's epilogue, rows written at their pair index) is the bf16 kernel's; see its docstring.  No biases
+(Transformers' FP8 experts have none).  Interpreter notes as in :mod:`.triton_kernels` and
+:mod:`..fp8.triton_kernels`: it loads e4m3 tiles and widens them correctly; its ``tl.dot`` multiplies bf16 bit
+patterns as integers, so ``UPCAST`` widens both operands to fp32 there.  Nothing here converts to e4m3, so the
+interpreter's fp32 -> e4m3 rounding bug does not apply.
+"""
+
+from __future__ import annotations
+
+from ..dispatch import SUM_COMBINE, LazyJit, tl
+
+
+@LazyJit
+def moe_w8_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, rw_ptr, sorted_ptr, block_expert_ptr, num_post_ptr,
+    NP, N, K, NUM_M_BLOCKS,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_cm, stride_cn,
+    QBN, QBK, UP_SCALE_BASE, UP_ROW_SHIFT,
+    A_ROW_DIV: tl.constexpr, ALIGNED: tl.constexpr, GATED: tl.constexpr, MUL_ROUTING: tl.constexpr,
+    ACT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, SCAN_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``C[pair, n] = epilogue(A[pair // A_ROW_DIV, :] @ dequant(W[e])[n, :])``; grids as ``moe_gemm_kernel``."""
+    if ALIGNED:
+        pid = tl.program_id(0)
+        num_n = (N + BLOCK_N - 1) // BLOCK_N
+        per_group = GROUP_M * num_n
+        group = pid // per_group
+        first_m = group * GROUP_M
+        group_rows = tl.minimum(NUM_M_BLOCKS - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_rows
+        pid_n = (pid % per_group) // group_rows
+        if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_m)
+        n_chunks = 1
+    else:
+        e = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        cnt = tl.program_id(0) * 0
+        for s0 in range(0, NP, SCAN_P):
+            q = s0 + tl.arange(0, SCAN_P)
+            ids = tl.load(ids_ptr + q, mask=q < NP, other=-1).to(tl.int32)
+            cnt += tl.reduce((ids == e).to(tl.int32), 0, SUM_COMBINE)
+        if cnt == 0:
+            return
+        n_chunks = (cnt + BLOCK_M - 1) // BLOCK_M
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    g_rows = offs_n
+    u_rows = offs_n + N if GATED else offs_n
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = s_ptr + e.to(tl.int64) * stride_se
+    sg_rows = s_base + (offs_n // QBN) * stride_sn
+    su_rows = s_base + (UP_SCALE_BASE + (offs_n + UP_ROW_SHIFT) // QBN) * stride_sn
+
+    for c in range(0, n_chunks):
+        if ALIGNED:
+            rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+            row_ok = rows < NP
+        else:  # the pairs of this expert ranked [c*BM, (c+1)*BM), as in moe_gemm_kernel
+            j = c * BLOCK_M + tl.arange(0, BLOCK_M)
+            rows = tl.full([BLOCK_M], 0, tl.int32)
+            seen = cnt * 0
+            for s0 in range(0, NP, SCAN_P):
+                q = s0 + tl.arange(0, SCAN_P)
+                ids = tl.load(ids_ptr + q, mask=q < NP, other=-1).to(tl.int32)
+                hit = (ids == e).to(tl.int32)
+                rank = seen + tl.associative_scan(hit, 0, SUM_COMBINE) - 1
+                sel = (rank[None, :] == j[:, None]) & (hit[None, :] > 0)
+                rows += tl.reduce(tl.where(sel, q[None, :], 0), 1, SUM_COMBINE)
+                seen += tl.reduce(hit, 0, SUM_COMBINE)
+            row_ok = j < cnt
+        a_rows = (rows // A_ROW_DIV).to(tl.int64)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        wg_ptrs = w_base + g_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+        wu_ptrs = w_base + u_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+        acc_u = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            sg = tl.load(sg_rows + (k0 // QBK) * stride_sk, mask=n_ok, other=0.0)
+            if UPCAST:  # interpreter only
+                a = a.to(tl.float32)
+                part = tl.dot(a, wg.to(tl.float32), input_precision="ieee")
+            elif IEEE:
+                part = tl.dot(a, wg.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(a, wg.to(a.dtype))
+            acc += part * sg[None, :]
+            if GATED:
+                wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                su = tl.load(su_rows + (k0 // QBK) * stride_sk, mask=n_ok, other=0.0)
+                if UPCAST or IEEE:
+                    part_u = tl.dot(a, wu.to(tl.float32), input_precision="ieee")
+                else:
+                    part_u = tl.dot(a, wu.to(a.dtype))
+                acc_u += part_u * su[None, :]
+            a_ptrs += BLOCK_K * stride_ak
+            wg_ptrs += BLOCK_K * stride_wk
+            wu_ptrs += BLOCK_K * stride_wk
+
+        if GATED:
+            if ACT == 0:
+                acc = acc / (1.0 + tl.exp(-acc))
+            elif ACT == 1:
+                acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+            elif ACT == 2:
+                inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+                acc = acc * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * inner)))
+            else:
+                acc = tl.maximum(acc, 0.0)
+            acc = acc * acc_u
+        if MUL_ROUTING:
+            rw = tl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            acc = acc * rw[:, None]
+        c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])

@@ -1,0 +1,169 @@
+"""``fused_experts_fp8``: the fused MoE experts forward on block-FP8 expert stacks (a custom op), and its launches.
+
+The bf16 op's paths (:mod:`.launch`) with :func:`~.fp8_kernels.moe_w8_gemm_kernel` for both GEMMs: the same path
+choice by token count (small-batch grid per expert up to ``SMALL_BATCH_MAX_TOKENS`` tokens, aligned grouped GEMM
+above), the same alignment and K-sum kernels, the same tiles except that ``BLOCK_K`` is capped by the quantisation
+block's ``bk`` (one scale column per K tile).  Not (yet) here: the small path's fused down-projection GEMV (the bf16
+op's 2-launch decode path up to ``GEMV_DOWN_MAX_TOKENS`` tokens) -- FP8 runs GEMM2 + combine at every size -- and
+FP8 tensor cores with quantised activations for prefill (the block-FP8 linear's large-batch path).
+
+CPU tensors (and autograd, and block sizes without a power-of-two divisor >= 16) run the torch reference
+:func:`~.fp8_reference.fused_experts_fp8_ref`; ``MLA_FUSER_BACKEND`` forces a backend (``dispatch.use_triton``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..dispatch import cdiv, kernel_op, next_pow2, on_tensor_device, triton_interpreting, use_triton
+from .configs import get_moe_config
+from .fp8_kernels import moe_w8_gemm_kernel
+from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
+from .launch import _choose_path, align_tokens_to_experts
+from .reference import activation_code
+from .triton_kernels import moe_combine_kernel
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    return min(cap, n & -n) if n > 0 else cap
+
+
+def triton_supported(hidden: torch.Tensor, gate_up_block, down_block) -> bool:
+    """The kernel takes fp16/bf16/fp32 activations and K blocks with a power-of-two divisor >= 16 (``tl.dot``)."""
+    return hidden.dtype in KERNEL_DTYPES and all(_pow2_divisor(b[1], 128) >= 16 for b in (gate_up_block, down_block))
+
+
+def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out, k_dim, a_row_div, gated, act,
+                   block, cfg, num_experts, up_scale_base=0, up_row_shift=0):
+    """One block-FP8 expert-grouped GEMM (GEMM1 if ``gated`` else GEMM2); ``align`` None = small path."""
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    block_k = min(cfg["BLOCK_K"], _pow2_divisor(block[1], 128))
+    if align is None:
+        grid = (num_experts, cdiv(n_out, block_n))
+        sorted_ids = expert_ids = num_post = c  # never read on the small path
+        num_m_blocks = 0
+    else:
+        sorted_ids, expert_ids, num_post = align
+        num_m_blocks = expert_ids.numel()
+        grid = (num_m_blocks * cdiv(n_out, block_n),)
+    on_tensor_device(moe_w8_gemm_kernel.get()[grid])(
+        a, w, scale, c, flat_ids, routing if routing is not None else c, sorted_ids, expert_ids, num_post,
+        num_pairs, n_out, k_dim, num_m_blocks,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        scale.stride(0), scale.stride(1), scale.stride(2), c.stride(0), c.stride(1),
+        block[0], block[1], up_scale_base, up_row_shift,
+        A_ROW_DIV=a_row_div, ALIGNED=align is not None, GATED=gated, MUL_ROUTING=routing is not None, ACT=act,
+        IEEE=a.dtype == torch.float32, UPCAST=not a.is_cuda and triton_interpreting(),
+        SCAN_P=cfg.get("SCAN_P", min(512, max(16, next_pow2(num_pairs)))),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.get("GROUP_M", 1),
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+    )  # fmt: skip
+
+
+def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights, *,
+                             gate_up_block, down_block, up_scale_base=0, up_row_shift=None, activation="silu",
+                             path="auto", config: Optional[dict] = None) -> torch.Tensor:
+    """The Triton implementation (no dispatch); arguments as :func:`fused_experts_fp8`, ``config`` as the bf16
+    op's (``{"gemm1": {...}, "gemm2": {...}}``)."""
+    num_tokens, hidden_size, num_experts, inter, topk = check_fp8_shapes(
+        hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights
+    )
+    act = activation_code(activation)
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    num_pairs = num_tokens * topk
+    if num_pairs == 0:
+        return out.zero_()
+    path = _choose_path(path, num_tokens, num_pairs)
+    cfg = config if config is not None else get_moe_config(path, num_tokens, topk, num_experts)
+    x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    flat_ids = topk_ids.reshape(-1).contiguous()
+    routing = topk_weights.reshape(-1).contiguous()
+    align = None
+    if path == "aligned":
+        block_m = cfg["gemm1"]["BLOCK_M"]
+        if cfg["gemm2"]["BLOCK_M"] != block_m:
+            raise ValueError("the aligned path needs the same BLOCK_M for gemm1 and gemm2")
+        align = align_tokens_to_experts(flat_ids, num_experts, block_m)
+    common = dict(flat_ids=flat_ids, align=align, num_pairs=num_pairs, act=act, num_experts=num_experts)
+    inter_buf = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    launch_w8_gemm(a=x, w=gate_up_w, scale=gate_up_scale, c=inter_buf, routing=None, n_out=inter, k_dim=hidden_size,
+                   a_row_div=topk, gated=True, block=gate_up_block, cfg=cfg["gemm1"], up_scale_base=up_scale_base,
+                   up_row_shift=inter if up_row_shift is None else up_row_shift, **common)
+    pair_out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    launch_w8_gemm(a=inter_buf, w=down_w, scale=down_scale, c=pair_out, routing=routing, n_out=hidden_size,
+                   k_dim=inter, a_row_div=1, gated=False, block=down_block, cfg=cfg["gemm2"], **common)
+    block_h = min(1024, max(16, next_pow2(hidden_size)))
+    moe_combine_kernel[(num_tokens, cdiv(hidden_size, block_h))](
+        pair_out, flat_ids, out, hidden_size, num_experts, pair_out.stride(0), pair_out.stride(1),
+        out.stride(0), out.stride(1), TOPK=topk, BLOCK_H=block_h, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _fp8_impl(hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights, gate_up_block,
+              down_block, up_scale_base, up_row_shift, activation, path, torch_only=False):
+    flat = hidden.dim() == 2
+    hidden2d = hidden if flat else hidden.reshape(-1, hidden.shape[-1])
+    ids2d = topk_ids if topk_ids.dim() == 2 else topk_ids.reshape(-1, topk_ids.shape[-1])
+    w2d = topk_weights if topk_weights.dim() == 2 else topk_weights.reshape(-1, topk_weights.shape[-1])
+    gub, db = tuple(gate_up_block), tuple(down_block)
+    shift = None if up_row_shift < 0 else up_row_shift
+    kwargs = dict(gate_up_block=gub, down_block=db, up_scale_base=up_scale_base, up_row_shift=shift,
+                  activation=activation)
+    if not torch_only and use_triton(hidden, gate_up_w) and triton_supported(hidden, gub, db):
+        out = fused_experts_fp8_triton(hidden2d, gate_up_w, gate_up_scale, down_w, down_scale, ids2d, w2d,
+                                       path=path, **kwargs)
+    else:
+        out = fused_experts_fp8_ref(hidden2d, gate_up_w, gate_up_scale, down_w, down_scale, ids2d, w2d, **kwargs)
+    return out if flat else out.reshape(hidden.shape)
+
+
+@kernel_op("fused_experts_fp8")
+def _fused_experts_fp8_op(
+    hidden: torch.Tensor, gate_up_w: torch.Tensor, gate_up_scale: torch.Tensor, down_w: torch.Tensor,
+    down_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up_block: list[int],
+    down_block: list[int], up_scale_base: int, up_row_shift: int, activation: str, path: str,
+) -> torch.Tensor:
+    return _fp8_impl(hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights, gate_up_block,
+                     down_block, up_scale_base, up_row_shift, activation, path)
+
+
+@_fused_experts_fp8_op.register_fake
+def _fused_experts_fp8_fake(hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights,
+                            gate_up_block, down_block, up_scale_base, up_row_shift, activation, path):  # fmt: skip
+    return hidden.new_empty(hidden.shape)
+
+
+def fused_experts_fp8(
+    hidden: torch.Tensor,
+    gate_up_w: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down_w: torch.Tensor,
+    down_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    gate_up_block: tuple[int, int],
+    down_block: tuple[int, int],
+    up_scale_base: int = 0,
+    up_row_shift: int | None = None,
+    activation: str = "silu",
+    path: str = "auto",
+) -> torch.Tensor:
+    """MoE experts forward on block-FP8 stacks: ``hidden [T, H]`` (or ``[..., H]``), ``gate_up_w`` e4m3
+    ``[E, 2I, H]`` (concatenated ``[gate; up]``) with fp32 ``gate_up_scale [E, rows, ceil(H/bk)]``, ``down_w``
+    e4m3 ``[E, H, I]`` with ``down_scale [E, ceil(H/bn), ceil(I/bk)]``; ids/weights as ``fused_experts``.
+    ``up_scale_base`` / ``up_row_shift`` place the up half's scale rows (``kernels.fp8.experts.FP8ExpertsLayout``;
+    ``up_row_shift`` None: ``I``, one grid over the whole stack).  Returns ``[T, H]`` in hidden's dtype.  While
+    autograd records, the torch reference runs (the kernel has no backward).  Custom op
+    ``torch.ops.mla_fuser.fused_experts_fp8`` under torch.compile / tracing."""
+    args = (hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights,
+            [int(b) for b in gate_up_block], [int(b) for b in down_block], int(up_scale_base),
+            -1 if up_row_shift is None else int(up_row_shift), activation, path)
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        return _fp8_impl(*args, torch_only=True)
+    return _fused_experts_fp8_op(*args)

@@ -1,0 +1,104 @@
+"""The block-FP8 experts contract in torch: input checks, per-expert dequantisation, and the reference.
+
+Same math as :func:`~.reference.fused_experts_ref` with the experts' weights given as e4m3 stacks and fp32 scales
+per ``(expert, n-block, k-block)``: ``W[e, n, k] = q[e, n, k] * scale[e, row(n), k // bk]``, where ``row(n)`` is
+``n // bn`` except for the up half of ``gate_up`` in the halves layout (``kernels.fp8.experts``), whose rows are
+``up_scale_base + (n - I) // bn``; in general ``up_scale_base + (n - I + up_row_shift) // bn``.  The deliberate
+rounding point moves with the weights: e4m3 weights are widened to the activations' dtype in the kernel, so
+``act(gate) * up`` is rounded to ``hidden``'s dtype (not the weights') before the down projection.  Everything else
+is fp32.  This is also the torch path of ``fused_experts_fp8`` (CPU tensors, autograd): one pass per picked expert,
+each expert's weights dequantised in fp32 when it is used (never the whole stack at once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fp8.format import FP8_DTYPE
+from .reference import _apply_activation_ref
+
+
+def _expand(scale: torch.Tensor, rows: int, cols: int, bn: int, bk: int) -> torch.Tensor:
+    return scale.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
+
+
+def dequantize_expert(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], *, gated: bool = False,
+                      up_scale_base: int = 0, up_row_shift: int = 0) -> torch.Tensor:
+    """One expert's ``weight [N, K]`` e4m3 times its scales ``[rows, cols]``, in fp32.  ``gated``: ``weight`` is
+    ``[gate; up]`` and the up half's scale rows follow ``up_scale_base`` / ``up_row_shift``."""
+    n, k = weight.shape
+    bn, bk = block
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    if not gated or (up_scale_base == 0 and up_row_shift == n // 2):  # one grid over the whole matrix
+        return w * _expand(s, n, k, bn, bk)
+    half = n // 2
+    gate = w[:half] * _expand(s, half, k, bn, bk)
+    up_rows = (torch.arange(half, device=w.device) + up_row_shift) // bn + up_scale_base
+    up = w[half:] * s[up_rows].repeat_interleave(bk, 1)[:, :k]
+    return torch.cat([gate, up])
+
+
+def check_fp8_shapes(hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights):
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [T, H], got {tuple(hidden.shape)}")
+    num_tokens, hidden_size = hidden.shape
+    if gate_up_w.dim() != 3 or gate_up_w.shape[2] != hidden_size or gate_up_w.shape[1] % 2:
+        raise ValueError(f"gate_up_w must be [E, 2I, H={hidden_size}], got {tuple(gate_up_w.shape)}")
+    num_experts, two_inter, _ = gate_up_w.shape
+    inter = two_inter // 2
+    if tuple(down_w.shape) != (num_experts, hidden_size, inter):
+        raise ValueError(f"down_w must be [E, H, I]={(num_experts, hidden_size, inter)}, got {tuple(down_w.shape)}")
+    if gate_up_w.dtype != FP8_DTYPE or down_w.dtype != FP8_DTYPE:
+        raise TypeError(f"FP8 experts need float8_e4m3fn stacks, got {gate_up_w.dtype} / {down_w.dtype}")
+    for name, s in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale)):
+        if s.dim() != 3 or s.shape[0] != num_experts or s.dtype != torch.float32:
+            raise ValueError(f"{name} must be fp32 [E={num_experts}, rows, cols], got {s.dtype} {tuple(s.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids must be [T={num_tokens}, K], got {tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights must be {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    return num_tokens, hidden_size, num_experts, inter, topk_ids.shape[1]
+
+
+def fused_experts_fp8_ref(
+    hidden: torch.Tensor,
+    gate_up_w: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down_w: torch.Tensor,
+    down_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    gate_up_block: tuple[int, int],
+    down_block: tuple[int, int],
+    up_scale_base: int = 0,
+    up_row_shift: int | None = None,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """Reference block-FP8 experts forward (fp32 math); ``up_row_shift`` None means ``I`` (one grid over
+    ``gate_up``, the whole layout)."""
+    num_tokens, hidden_size, num_experts, inter, topk = check_fp8_shapes(
+        hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights
+    )
+    shift = inter if up_row_shift is None else up_row_shift
+    out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
+    if num_tokens == 0 or topk == 0:
+        return out.to(hidden.dtype)
+    x = hidden.float()
+    flat_ids = topk_ids.reshape(-1).long()
+    flat_w = topk_weights.reshape(-1).float()
+    valid = (flat_ids >= 0) & (flat_ids < num_experts)
+    rounds = hidden.dtype != torch.float32
+    for e in torch.unique(flat_ids[valid]).tolist():
+        pairs = torch.nonzero(flat_ids == e).squeeze(1)
+        tokens = pairs // topk
+        w1 = dequantize_expert(gate_up_w[e], gate_up_scale[e], gate_up_block, gated=True,
+                               up_scale_base=up_scale_base, up_row_shift=shift)
+        gate_up = x[tokens] @ w1.t()
+        h = _apply_activation_ref(gate_up[:, :inter], activation) * gate_up[:, inter:]
+        if rounds:
+            h = h.to(hidden.dtype).float()
+        y = h @ dequantize_expert(down_w[e], down_scale[e], down_block).t()
+        out.index_add_(0, tokens, y * flat_w[pairs, None])
+    return out.to(hidden.dtype)
