@@ -8,16 +8,28 @@ in [32, 512], all submitted at once, fixed lengths (per-request ``max_new_tokens
 * native (sdpa) static batches, on a subset when ``--native-requests`` is smaller (the JSON says which).
 Output tokens/s, TTFT and TPOT p50/p99 (CB), peak GPU memory; JSON (+ PNG with ``--plot``).
 
+``--http`` also sends the same workload through ``mla-fuser serve``'s HTTP server (Transformers' own server, built
+with ``mla_fuser.serve.app.build_app`` on the same fused model in this process, continuous batching with the same
+engine config) from a separate client process, ``--http-concurrency`` streaming ``/v1/completions`` requests at a time;
+its output tokens/s, TTFT and TPOT p50/p99 (measured by the client) sit beside the in-process figures.  The prompts are
+then text made of whole-word tokens of the preset's built-in tokenizer, so the server tokenizes each back to exactly
+the ids the in-process run gets; each request asks for its output length with EOS ignored.
+
     python benchmarks/bench_serving.py --out benchmarks/results/serving.json          # H200: the issue's workload
-    python benchmarks/bench_serving.py --dry-run                                      # CPU: tiny preset, 12 requests
+    python benchmarks/bench_serving.py --http --out benchmarks/results/serving_http.json  # + through HTTP
+    python benchmarks/bench_serving.py --dry-run [--http]                             # CPU: tiny preset, 12 requests
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import socket
+import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -27,14 +39,31 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mla_fuser.presets import build_preset  # noqa: E402
 
 
-def workload(n, seed, prompt_range, output_range, vocab):
+def workload(n, seed, prompt_range, output_range, vocab, words=None):
+    """Prompt token ids and output lengths; with ``words`` (token ids) prompts draw from those ids only."""
     gen = torch.Generator().manual_seed(seed)
     prompts, outputs = [], []
     for _ in range(n):
         length = int(torch.randint(prompt_range[0], prompt_range[1] + 1, (1,), generator=gen))
-        prompts.append(torch.randint(3, vocab, (length,), generator=gen).tolist())
+        if words is None:
+            prompts.append(torch.randint(3, vocab, (length,), generator=gen).tolist())
+        else:
+            prompts.append([words[i] for i in torch.randint(0, len(words), (length,), generator=gen).tolist()])
         outputs.append(int(torch.randint(output_range[0], output_range[1] + 1, (1,), generator=gen)))
     return prompts, outputs
+
+
+def text_workload(tokenizer, prompts):
+    """``(texts, ids)``: each prompt of whole-word ids (``Ġword`` tokens) as text, and the ids the server's tokenizer
+    makes of that text (BOS + the same words), which the in-process run then uses too."""
+    texts = [tokenizer.decode(p) for p in prompts]
+    return texts, [tokenizer(t)["input_ids"] for t in texts]
+
+
+def word_ids(tokenizer):
+    """Ids of the tokens that are one space-led lowercase word: text of them tokenizes back to the same ids."""
+    return sorted(i for token, i in tokenizer.get_vocab().items()
+                  if token.startswith("\u0120") and len(token) > 1 and token[1:].isalpha() and token[1:].islower())
 
 
 def _sync(device):
@@ -99,6 +128,147 @@ def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_gr
     }
 
 
+# ---- through HTTP: the server in this process (a thread), the clients in another process ----------------------------
+
+
+async def _stream_completion(port, body, deadline):
+    """One streaming POST /v1/completions over a raw connection (no client library between the clock and the
+    socket): (status, first text time, last text time, completion tokens, error)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    await writer.drain()
+    first = last = usage = error = None
+    try:
+        status = int((await asyncio.wait_for(reader.readline(), deadline - time.monotonic())).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            key, _, value = line.decode().partition(":")
+            headers[key.strip().lower()] = value.strip()
+        buffer = b""
+        while time.monotonic() < deadline:
+            if headers.get("transfer-encoding") == "chunked":
+                size = int((await reader.readline()).split(b";")[0], 16)
+                piece = await reader.readexactly(size + 2) if size else b""
+                piece = piece[:-2]
+            else:
+                piece = await reader.read(65536)
+            if not piece:
+                break
+            buffer += piece
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                if not event.startswith(b"data: "):
+                    continue
+                chunk = json.loads(event[6:])
+                if "error" in chunk or status != 200:
+                    error = chunk.get("error") or chunk.get("detail") or chunk
+                    continue
+                now = time.perf_counter()
+                if chunk["choices"][0].get("text"):
+                    first, last = first or now, now
+                usage = chunk.get("usage") or usage
+    finally:
+        writer.close()
+    return status, first, last, (usage or {}).get("completion_tokens", 0), error
+
+
+async def _client_run(port, requests, concurrency, timeout):
+    """Every request streamed, ``concurrency`` at a time (each client takes the next request when one ends)."""
+    deadline = time.monotonic() + timeout
+    pending = list(enumerate(requests))[::-1]
+    results = [None] * len(requests)
+
+    async def client():
+        while pending and time.monotonic() < deadline:
+            i, body = pending.pop()
+            sent = time.perf_counter()
+            try:
+                status, first, last, tokens, error = await _stream_completion(port, body, deadline)
+            except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
+                status, first, last, tokens, error = None, None, None, 0, repr(exc)  # (counted as failed)
+            results[i] = {"sent": sent, "first": first, "last": last, "end": time.perf_counter(), "status": status,
+                          "tokens": tokens, "wanted": body["max_tokens"], "error": error}
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(min(concurrency, len(requests)))))
+    return start, results
+
+
+def http_client_main(port, path, concurrency, timeout):
+    """The client process: requests from a JSON file, one JSON line of per-request timings on stdout."""
+    with open(path) as fh:
+        requests = json.load(fh)
+    start, results = asyncio.run(_client_run(port, requests, concurrency, timeout))
+    print(json.dumps({"start": start, "results": results}))
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _send(port, texts, outputs, concurrency, timeout, workdir):
+    """Run the client process over ``texts``; its parsed output."""
+    bodies = [{"model": "bench", "prompt": t, "max_tokens": n, "temperature": 0, "stream": True,
+               "generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})}
+              for t, n in zip(texts, outputs)]
+    path = os.path.join(workdir, f"http_requests_{os.getpid()}.json")
+    with open(path, "w") as fh:
+        json.dump(bodies, fh)
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--http-client", str(port), path,
+                               "--http-concurrency", str(concurrency)], capture_output=True, text=True,
+                              timeout=timeout + 60, check=True)
+    finally:
+        os.remove(path)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_http(model, tokenizer, texts, outputs, cb_config, concurrency, warmup, timeout=3600, workdir="/tmp"):
+    """The workload through Transformers' server (``mla_fuser.serve.app``) on ``model``: client-side output tokens/s,
+    TTFT (send -> first text) and TPOT ((last text - first text) / (tokens - 1)) p50/p99."""
+    import uvicorn
+
+    from mla_fuser.serve.app import build_app
+
+    app, state = build_app(model, tokenizer, "bench", continuous_batching=True, cb_config=cb_config)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="bench-http-server", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.05)
+        if warmup:
+            _send(port, texts[:warmup], outputs[:warmup], concurrency, timeout, workdir)
+        run = _send(port, texts, outputs, concurrency, timeout, workdir)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        state.shutdown()
+    results = [r for r in run["results"] if r is not None]
+    ok = [r for r in results if r["status"] == 200 and r["error"] is None]
+    wall = max(r["end"] for r in results) - run["start"]
+    tokens = sum(r["tokens"] for r in ok)
+    ttft = [r["first"] - r["sent"] for r in ok if r["first"] is not None]
+    tpot = [(r["last"] - r["first"]) / (r["tokens"] - 1) * 1e3 for r in ok
+            if r["first"] is not None and r["tokens"] > 1]
+    return {
+        "requests": len(texts), "finished": len(results), "failed": len(results) - len(ok),
+        "wrong_lengths": sum(r["tokens"] != r["wanted"] for r in ok), "concurrency": concurrency,
+        "output_tokens": tokens, "wall_s": wall, "output_tok_per_s": tokens / wall,
+        "ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
+        "tpot_ms": {"p50": _pct(tpot, 50), "p99": _pct(tpot, 99)},
+        "errors": sorted({str(r["error"] or r["status"]) for r in results if r not in ok})[:5],
+    }
+
+
 @torch.no_grad()
 def run_static(model, prompts, outputs, batch):
     """Length-sorted static batches, left-padded; only each request's own output tokens count."""
@@ -146,7 +316,13 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--dry-run", action="store_true", help="tiny preset on CPU, a dozen short requests")
+    p.add_argument("--http", action="store_true",
+                   help="also send the workload through the HTTP server (mla-fuser serve's) by concurrent clients")
+    p.add_argument("--http-concurrency", type=int, default=256, help="requests in flight at once through HTTP")
+    p.add_argument("--http-client", nargs=2, metavar=("PORT", "REQUESTS_JSON"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.http_client:  # (the client process of --http)
+        return http_client_main(int(args.http_client[0]), args.http_client[1], args.http_concurrency, 3600)
     if args.dry_run:
         args.preset, args.device, args.dtype = "deepseek-v2-lite-tiny", "cpu", "fp32"
         args.requests, args.prompt_range, args.output_range = 12, [4, 40], [2, 12]
@@ -155,7 +331,16 @@ def main(argv=None):
     fused = build_preset(args.preset, dtype=dtype, device=args.device)
     device = fused.get_input_embeddings().weight.device
     vocab = fused.get_input_embeddings().weight.shape[0]
-    prompts, outputs = workload(args.requests, args.seed, args.prompt_range, args.output_range, vocab)
+    tokenizer = texts = None
+    if args.http:  # one workload for both paths: text of whole-word tokens, and the ids the server makes of it
+        from mla_fuser.presets import preset_tokenizer
+
+        tokenizer = preset_tokenizer(args.preset)
+        words, outputs = workload(args.requests, args.seed, [n - 1 for n in args.prompt_range], args.output_range,
+                                  vocab, word_ids(tokenizer))
+        texts, prompts = text_workload(tokenizer, words)
+    else:
+        prompts, outputs = workload(args.requests, args.seed, args.prompt_range, args.output_range, vocab)
     result = {"preset": args.preset, "dtype": args.dtype, "device": str(device), "requests": args.requests,
               "prompt_range": args.prompt_range, "output_range": args.output_range}
     if device.type == "cuda":
@@ -175,6 +360,16 @@ def main(argv=None):
         result["fused_cb"]["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
         result["fused_cb"]["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
     print(json.dumps({k: v for k, v in result["fused_cb"].items() if k != "tpot_ms_all"}), flush=True)
+    if args.http:
+        from transformers import ContinuousBatchingConfig
+
+        cb = ContinuousBatchingConfig(max_memory_percent=args.max_memory_percent, num_blocks=args.num_blocks,
+                                      use_cuda_graph=graphs, max_batch_tokens=args.max_batch_tokens)
+        result["fused_http"] = run_http(fused, tokenizer, texts, outputs, cb, args.http_concurrency, args.warmup)
+        result["http_over_in_process"] = (result["fused_http"]["output_tok_per_s"]
+                                          / result["fused_cb"]["output_tok_per_s"])
+        print(json.dumps(result["fused_http"]), flush=True)
+        print(json.dumps({"http_over_in_process": result["http_over_in_process"]}), flush=True)
     n_static = args.static_requests or args.requests
     result["fused_static"] = run_static(fused, prompts[:n_static], outputs[:n_static], args.static_batch)
     print(json.dumps(result["fused_static"]), flush=True)
@@ -197,7 +392,7 @@ def main(argv=None):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        names = [k for k in ("fused_cb", "fused_static", "native_static") if k in result]
+        names = [k for k in ("fused_cb", "fused_http", "fused_static", "native_static") if k in result]
         fig, (bars, cdf) = plt.subplots(1, 2, figsize=(11, 4))
         bars.bar(names, [result[k]["output_tok_per_s"] for k in names])
         bars.set_ylabel("output tokens/s")

@@ -1,6 +1,7 @@
-"""``mla-fuser generate | inspect | bench``.
+"""``mla-fuser generate | inspect | bench | serve``.
 
-Every command works on the embedded default preset (no download) or on a local checkpoint (``--model DIR``).
+Every command works on the embedded default preset (no download) or on a local checkpoint (``--model DIR``; ``serve``
+also takes it as its first argument).
 """
 
 from __future__ import annotations
@@ -111,15 +112,82 @@ def _check_prompt_ids(args, config) -> None:
                          f"{args.model or args.preset}: expected ids from 0 to {vocab - 1}")
 
 
+def _fraction(text: str) -> float:
+    """argparse type of a memory share: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """argparse type of a time limit: zero or more seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0), got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    if not (text.strip().isdigit() and 0 < int(text) < 65536):
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {text!r}")
+    return int(text)
+
+
+def _check_serve_setup(args) -> None:
+    """``serve``: its dependencies and Transformers release first (the one-line answer says what to install), then
+    which model: ``MODEL_DIR`` is ``--model``'s positional spelling."""
+    from . import serve
+
+    missing = serve.missing_packages()
+    if missing:
+        raise UsageError(f"serve needs the server dependencies (missing: {', '.join(missing)}): {serve.INSTALL_HINT}")
+    reason = serve.unsupported()
+    if reason:
+        raise UsageError(reason)
+    if args.model_dir:
+        if args.model or args.preset != DEFAULT_PRESET:
+            raise UsageError("serve takes one model: MODEL_DIR, --model DIR or --preset NAME")
+        args.model = args.model_dir
+
+
+def _check_serve_target(args) -> None:
+    """``serve``: a checkpoint needs its tokenizer (the server speaks text), and the address must be free: both
+    found here, not after minutes of loading."""
+    import socket
+
+    from . import serve
+
+    if args.model and not serve.has_tokenizer(args.model):
+        raise UsageError(f"{args.model}: no tokenizer files ({', '.join(serve.TOKENIZER_FILES)}): the server needs the "
+                         "checkpoint's tokenizer")
+    try:
+        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
+        with socket.create_server((args.host, args.port), family=family):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+
+
 def _check_usage(args) -> None:
     """Everything about the command line that needs more than one argument, or the model's config, checked before
     a model is built (single values are checked by the argparse ``type=`` functions)."""
+    if args.command == "serve":
+        _check_serve_setup(args)
     _check_device(args)
     config = _model_config(args)
     if getattr(args, "prompt_ids", None):
         _check_prompt_ids(args, config)
     if getattr(args, "plot", None) and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'mla-fuser[plot]'")
+    if args.command == "serve":
+        _check_serve_target(args)
 
 
 def _prompt(args, model) -> torch.Tensor:
@@ -200,6 +268,32 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .serve import run
+
+    return run(args)
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    """``serve``'s options: the model, the address, and ``transformers serve``'s continuous-batching options under
+    their names there."""
+    p.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="local checkpoint directory (same as --model)")
+    _add_model_args(p)
+    p.add_argument("--host", default="localhost", help="address to listen on (default localhost)")
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--continuous-batching", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve requests through Transformers' continuous batching (default on; off: one generate() "
+                        "call at a time)")
+    p.add_argument("--cb-block-size", type=_positive_int, help="KV cache block size in tokens for continuous batching")
+    p.add_argument("--cb-num-blocks", type=_positive_int, help="number of KV cache blocks for continuous batching")
+    p.add_argument("--cb-max-batch-tokens", type=_positive_int, help="maximum tokens per batch for continuous batching")
+    p.add_argument("--cb-max-memory-percent", type=_fraction, help="max GPU memory fraction for the KV cache (0-1]")
+    p.add_argument("--cb-use-cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA graphs for continuous batching (default: the engine decides)")
+    p.add_argument("--timeout-graceful-shutdown", type=_seconds, default=30.0,
+                   help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are cancelled")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -237,6 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile-backend", default="inductor", help="torch.compile backend (e.g. eager to check "
                        "tracing only)")
     bench.set_defaults(func=cmd_bench)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the fused model (Transformers' own server; "
+                                       "needs mla-fuser[serve])")
+    _add_serve_args(srv)
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -30,6 +30,8 @@ FEATURE_MIN_VERSION = {
     "mamba": (5, 21),
     # the continuous-batching engine's cache API update(key, value, layer_idx, kwargs), first in 5.19
     "continuous batching": (5, 19),
+    # `mla-fuser serve`: Transformers' own server (transformers.cli.serving) over continuous batching, hence 5.19
+    "serve": (5, 19),
 }
 MAMBA_CACHE_METHODS = ("get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state")
 
@@ -124,3 +126,39 @@ def attention_implementation_set(config, name: str):
         yield
     finally:
         config.__dict__["_attn_implementation_internal"] = previous
+
+
+# ---- `mla-fuser serve`: Transformers' server pieces (transformers.cli.serving), 5.19 to 5.24 ----------------------
+# Its constructors grew keywords release by release (ModelManager(continuous_batching=) in 5.23,
+# build_server(systemone_handler=) in 5.21): the serve layer offers every keyword it can fill and keeps those the
+# installed release takes, so no release check is spread over the code.
+SERVING_OPTIONAL_HANDLERS = {"systemone_handler": ("systemone", "SystemOneHandler")}  # keyword -> (module, class)
+
+
+def accepted_keywords(fn, kwargs: dict) -> dict:
+    """The entries of ``kwargs`` that ``fn``'s signature names (all of them when it takes ``**kwargs``)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs)
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def serving_optional_handlers() -> dict[str, type]:
+    """``build_server`` keyword -> handler class, for the optional endpoints the installed Transformers has."""
+    import importlib
+
+    out = {}
+    for keyword, (module, name) in SERVING_OPTIONAL_HANDLERS.items():
+        try:
+            out[keyword] = getattr(importlib.import_module(f"transformers.cli.serving.{module}"), name)
+        except (ImportError, AttributeError):
+            continue
+    return out
+
+
+def serving_engine(generate_manager):
+    """The continuous-batching manager behind Transformers' serving ``CBGenerateManager`` (its private ``_cb``; None
+    before the first request), which the serve layer needs to cancel a request whose HTTP client went away."""
+    return getattr(generate_manager, "_cb", None)

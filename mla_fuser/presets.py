@@ -3,6 +3,9 @@
 ``deepseek-v2-lite-tiny`` (the default) has the DeepSeek-V2-Lite architecture — no q-LoRA, a 576-style
 ``[kv_lora_rank | rope]`` latent, MoE with shared experts, first layer dense — scaled down to run in
 seconds on a CPU.  ``deepseek-v2-lite`` is the real shape (15.7B parameters) for GPU benchmarks.
+
+Every preset also has a tokenizer built in code (:func:`preset_tokenizer`): byte-level, exactly the preset's
+``vocab_size`` ids, a chat template, so a server can talk text to a preset with no download.
 """
 
 from __future__ import annotations
@@ -92,3 +95,75 @@ def load_for_cli(args, attn_implementation: str):
     model = build_preset(args.preset, seed=args.seed, attn_implementation=attn_implementation, dtype=dtype,
                          device=args.device)
     return model, args.preset
+
+
+# ---- tokenizer built in code -------------------------------------------------------------------------------------
+# Why in code: a server speaks text, and a preset has no checkpoint to bring a tokenizer.  Byte-level, so any text
+# encodes; the ids above the 256 bytes are letter sequences (merges), so every id the model can emit decodes to text.
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>")
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
+                 "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+_LETTERS = "etaoinshrdlcumwfgypbvkjxqz"  # English frequency order: the first merges are the likeliest pairs
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's printable stand-in for each byte (index = byte value): the alphabet of byte-level BPE."""
+    kept = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
+
+
+def _merges(count: int, space: str) -> list[tuple[str, str]]:
+    """``count`` BPE merges in a fixed order: space+letter, then letter sequences of growing length, each also with a
+    leading space.  A level starts only after the one below is complete, so every merge joins two existing tokens."""
+    out, words = [], [""]
+    while len(out) < count:
+        words = [w + c for w in words for c in _LETTERS]
+        for word in words:
+            if len(word) > 1:
+                out.append((word[:-1], word[-1]))
+            out.append((space + word[:-1], word[-1]) if len(word) > 1 else (space, word))
+    return out[:count]
+
+
+def byte_level_tokenizer(vocab_size: int):
+    """A Transformers fast tokenizer with exactly ``vocab_size`` ids: the special tokens (ids 0-5: pad, bos, eos and
+    the chat roles), the 256 bytes, then letter-sequence merges; BOS is prepended to plain text, the chat template
+    writes ``<|bos|><|role|>content<|eos|>...<|assistant|>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = _byte_symbols()
+    fixed = len(SPECIAL_TOKENS) + len(symbols)
+    if vocab_size < fixed:
+        raise ValueError(f"a byte-level tokenizer needs vocab_size >= {fixed}, got {vocab_size}")
+    merges = _merges(vocab_size - fixed, space=symbols[ord(" ")])
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(symbols) + tuple(a + b for a, b in merges))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    bos = SPECIAL_TOKENS[1]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                       special_tokens=[(bos, vocab[bos])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token=bos, eos_token="<|eos|>",
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def preset_tokenizer(name: str = DEFAULT_PRESET):
+    """The tokenizer of a preset: :func:`byte_level_tokenizer` sized to its ``vocab_size``."""
+    return byte_level_tokenizer(preset_config(name).vocab_size)
+
+
+def use_tokenizer_ids(model, tokenizer) -> None:
+    """Point ``model``'s generation config at ``tokenizer``'s pad/bos/eos ids (a preset's config names DeepSeek's,
+    outside a tiny vocabulary), so generation stops at the tokenizer's end of turn as a server expects."""
+    config = model.generation_config
+    config.pad_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id

@@ -22,7 +22,7 @@ LAYERS = [
     ("fusion",),
     ("loader",),
     ("presets",),
-    ("bench",),
+    ("bench", "serve"),
     ("cli",),
     ("__init__",),
 ]

@@ -1,0 +1,129 @@
+"""``mla-fuser serve``: an OpenAI-compatible HTTP server for a fused model, on Transformers' own server.
+
+Why not ``transformers serve``: it loads models itself and accepts only its own attention names, so it cannot serve a
+fused model.  Here the model is loaded and fused by this package (a preset with its built-in tokenizer, or a local
+checkpoint with its own), then handed to Transformers' server pieces (``serve.app``), with continuous batching on by
+default (the fused model's ``init_continuous_batching``, over latent pages).
+
+The ``--cb-*`` options are those of ``transformers serve``, with the same meaning; this package imports the server
+dependencies (FastAPI, uvicorn, openai: Transformers' ``serving`` extra) only here, after checking they are installed.
+Shutdown (SIGINT/SIGTERM): uvicorn stops accepting, in-flight requests finish within ``--timeout-graceful-shutdown``
+seconds or are cancelled in the engine, the engine stops, the process exits 0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import signal
+import sys
+
+from ..compat import FEATURE_MIN_VERSION, transformers_version
+
+# Transformers' `serving` extra, as far as its server needs (its `is_serve_available` names the first four)
+SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "openai", "starlette")
+INSTALL_HINT = 'pip install "mla-fuser[serve]"'
+MIN_VERSION = FEATURE_MIN_VERSION["serve"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# `--cb-*` option of `transformers serve` -> ContinuousBatchingConfig field (its --cb-block-size is the page size)
+CB_OPTIONS = {"cb_block_size": "page_size", "cb_num_blocks": "num_blocks", "cb_max_batch_tokens": "max_batch_tokens",
+              "cb_max_memory_percent": "max_memory_percent", "cb_use_cuda_graph": "use_cuda_graph"}
+
+logger = logging.getLogger("mla_fuser.serve")
+
+
+def missing_packages() -> list[str]:
+    """The server dependencies that are not installed (empty when ``serve`` can run)."""
+    return [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
+
+
+def unsupported() -> str | None:
+    """Why the installed Transformers cannot serve a fused model, or None."""
+    if transformers_version() >= MIN_VERSION:
+        return None
+    import transformers
+
+    need = ".".join(map(str, MIN_VERSION))
+    return (f"serve needs transformers>={need} (continuous batching of fused MLA models), installed "
+            f"{transformers.__version__}: pip install -U 'transformers[serving]>={need}'")
+
+
+def has_tokenizer(model_dir: str) -> bool:
+    """Whether a checkpoint directory holds tokenizer files (a server speaks text)."""
+    return any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES)
+
+
+def cb_config(args):
+    """The ``ContinuousBatchingConfig`` the ``--cb-*`` options ask for, or None for the engine's defaults."""
+    kwargs = {field: getattr(args, option) for option, field in CB_OPTIONS.items()
+              if getattr(args, option, None) is not None}
+    if not kwargs:
+        return None
+    from transformers import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(**kwargs)
+
+
+def load_served_model(args):
+    """``(model, tokenizer, name)``: the model through the package's loader (fused), and the tokenizer a preset
+    builds in code (its generation config then uses that tokenizer's ids) or the checkpoint's own."""
+    from ..presets import load_for_cli, preset_tokenizer, use_tokenizer_ids
+
+    model, name = load_for_cli(args, "vllm_mla")
+    if args.model:
+        from transformers import AutoTokenizer
+
+        return model, AutoTokenizer.from_pretrained(args.model), name
+    tokenizer = preset_tokenizer(args.preset)
+    use_tokenizer_ids(model, tokenizer)
+    return model, tokenizer, name
+
+
+class _Signals:
+    """SIGINT/SIGTERM before the server runs: exit 0 at once (nothing is in flight).  While it runs uvicorn handles
+    them (graceful shutdown); afterwards it raises the signal it caught again, which then lands here and is done."""
+
+    def __init__(self):
+        self.serving = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if not self.serving:
+            raise SystemExit(0)
+
+
+def _log_to_stderr() -> None:
+    """Our request log lines (cancellations) on stderr beside uvicorn's; the command is the application here."""
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("INFO:     mla-fuser: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+def run(args) -> int:
+    """Load, fuse, print the fusion report, serve until SIGINT/SIGTERM; 0 after a clean shutdown."""
+    signals = _Signals()
+    _log_to_stderr()
+    import uvicorn
+
+    from .app import build_app
+
+    model, tokenizer, name = load_served_model(args)
+    print(f"model: {name}")
+    print(model.fusion_report, flush=True)
+    app, state = build_app(model, tokenizer, name, continuous_batching=args.continuous_batching,
+                           cb_config=cb_config(args))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+    server = uvicorn.Server(config)
+    mode = "continuous batching" if args.continuous_batching else "one request at a time (generate)"
+    print(f"serving {name!r} at http://{args.host}:{args.port}/v1 ({mode}); SIGINT/SIGTERM stops", flush=True)
+    signals.serving = True
+    try:
+        server.run()
+    finally:
+        state.shutdown()
+    return 0

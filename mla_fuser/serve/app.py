@@ -1,0 +1,217 @@
+"""Transformers' own OpenAI-compatible server (``transformers.cli.serving``) over one model this package loaded.
+
+``transformers serve`` loads models itself (by architecture name, checking the attention name against its own list),
+so it cannot serve a fused model.  Its pieces can: this module subclasses three of them and uses the rest as they are
+(``build_server``, the endpoint handlers, the continuous-batching glue, SSE streaming, request ids):
+
+* :class:`PreloadedModelManager`: the model manager pinned to our model; other model names get Transformers' own
+  HTTP 400 ("Server is pinned to ...").
+* :class:`CheckedGenerationState`: the generation managers it hands out check each prompt against the model's
+  context before anything is queued (HTTP 400), and cancel the engine request of a client that went away.
+* :func:`checked`: endpoint handlers that refuse a non-positive token limit with HTTP 400.
+
+Bad JSON and unknown request fields get Transformers' (FastAPI's) own HTTP 422.  :func:`openai_errors` gives every
+error response the OpenAI API's shape as well, so OpenAI clients show the message, not only the status code.
+Imported only once the serving dependencies are known to be installed (``mla_fuser.serve.missing_packages``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import HTTPException
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers.cli.serving.chat_completion import ChatCompletionHandler
+from transformers.cli.serving.completion import CompletionHandler
+from transformers.cli.serving.model_manager import ModelManager, TimedModel
+from transformers.cli.serving.response import ResponseHandler
+from transformers.cli.serving.server import build_server
+from transformers.cli.serving.transcription import TranscriptionHandler
+from transformers.cli.serving.utils import BaseGenerateManager, GenerationState
+
+from ..compat import accepted_keywords, serving_engine, serving_optional_handlers
+
+logger = logging.getLogger("mla_fuser.serve")
+
+# the request fields that set how many tokens to generate (completions; chat completions; responses)
+TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+class PreloadedModelManager(ModelManager):
+    """Transformers' model manager holding one model loaded (and fused) by us, under ``name``, never unloaded while
+    the server runs.  Only the public surface the handlers use changes: ``load_model_and_processor`` returns our
+    model, and names are kept as given (no ``@main`` revision: a preset is not a Hub repository)."""
+
+    def __init__(self, model, processor, name: str):
+        super().__init__(**accepted_keywords(ModelManager.__init__, {"model_timeout": -1}))
+        self.force_model = name  # handlers answer requests naming another model with HTTP 400
+        self.loaded_models[name] = TimedModel(model, timeout_seconds=-1, processor=processor)
+
+    @staticmethod
+    def process_model_name(model_id: str) -> str:
+        return model_id
+
+    def load_model_and_processor(self, model_id_and_revision: str, progress_callback=None, **kwargs):
+        timed = self.loaded_models.get(model_id_and_revision)
+        if timed is None or timed.model is None:
+            raise ValueError(f"this server serves {self.force_model!r} only (requested {model_id_and_revision!r})")
+        if progress_callback is not None:
+            progress_callback({"status": "ready", "model": model_id_and_revision, "cached": True})
+        return timed.model, timed.processor
+
+
+def check_token_limits(body: dict) -> None:
+    """HTTP 400 for a token limit that is not a positive integer (Transformers would queue a request that cannot
+    generate, or fail it later with a 500)."""
+    for key in TOKEN_LIMITS:
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise HTTPException(status_code=400, detail=f"{key} must be a positive integer, got {value!r}")
+
+
+def checked(handler_class: type) -> type:
+    """``handler_class`` (a Transformers endpoint handler) whose requests pass :func:`check_token_limits` first."""
+
+    class Checked(handler_class):
+        async def handle_request(self, body, request_id):
+            if isinstance(body, dict):
+                check_token_limits(body)
+            return await super().handle_request(body, request_id)
+
+    Checked.__name__ = Checked.__qualname__ = f"Checked{handler_class.__name__}"
+    return Checked
+
+
+def fit_to_context(inputs, gen_config, context: int | None) -> None:
+    """HTTP 400 for an empty prompt or one that leaves no room in the model's context; otherwise cap the request's
+    new tokens at what the context holds (the response then says ``finish_reason: "length"``)."""
+    ids = inputs["input_ids"]
+    length = int(ids.shape[-1]) if hasattr(ids, "shape") else len(ids)
+    if length == 0:
+        raise HTTPException(status_code=400, detail="the prompt is empty after tokenization: send at least one token")
+    if context is None:
+        return
+    if length >= context:
+        raise HTTPException(status_code=400, detail=(
+            f"the prompt is {length} tokens, the model's context is {context} tokens: at most {context - 1} prompt "
+            "tokens leave room for one new token"))
+    room = context - length
+    gen_config.max_new_tokens = min(gen_config.max_new_tokens or room, room)
+
+
+class _CancelLogged:
+    """A Transformers streamer whose ``cancel`` (called when the SSE client goes away, or at a shutdown's deadline)
+    is logged with the request id; everything else is the streamer's own."""
+
+    def __init__(self, streamer, request_id: str):
+        self._streamer, self._request_id = streamer, request_id
+
+    def cancel(self) -> None:
+        logger.info("request %s cancelled before its end: its client went away, or the shutdown deadline passed",
+                    self._request_id)
+        self._streamer.cancel()
+
+    def __getattr__(self, name):
+        return getattr(self._streamer, name)
+
+
+class ContextCheckedManager(BaseGenerateManager):
+    """One of Transformers' generation managers (sequential or continuous batching) behind :func:`fit_to_context`.
+    A non-streaming request whose handler task is cancelled (uvicorn does so at the shutdown deadline) is cancelled
+    in the engine too, as Transformers already does for a stream whose client goes away."""
+
+    def __init__(self, inner: BaseGenerateManager, context: int | None):
+        self.inner, self.context = inner, context
+
+    def init_cb(self, model, gen_config) -> None:
+        self.inner.init_cb(model, gen_config)
+
+    def generate_streaming(self, model, processor, inputs, gen_config, request_id, **kwargs):
+        fit_to_context(inputs, gen_config, self.context)
+        queue, streamer = self.inner.generate_streaming(model, processor, inputs, gen_config, request_id, **kwargs)
+        return queue, _CancelLogged(streamer, request_id)
+
+    async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id, **kwargs):
+        fit_to_context(inputs, gen_config, self.context)
+        try:
+            return await self.inner.generate_non_streaming(model, processor, inputs, gen_config, request_id, **kwargs)
+        except asyncio.CancelledError:
+            engine = serving_engine(self.inner)
+            if engine is not None:
+                logger.info("request %s cancelled before the end", request_id)
+                engine.cancel_request(request_id)
+            raise
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class CheckedGenerationState(GenerationState):
+    """Transformers' generation state (one continuous-batching manager, or a sequential one per model) whose
+    managers are wrapped in :class:`ContextCheckedManager` for a model of ``context`` positions (None: unchecked)."""
+
+    def __init__(self, context: int | None, **kwargs):
+        super().__init__(**kwargs)
+        self.context = context
+
+    def get_manager(self, model_id: str, use_cb: bool = False) -> BaseGenerateManager:
+        return ContextCheckedManager(super().get_manager(model_id, use_cb=use_cb), self.context)
+
+
+def _error_response(status: int, message: str, detail, headers=None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status},
+                         "detail": jsonable_encoder(detail)}, status_code=status, headers=headers)
+
+
+def _validation_message(errors) -> str:
+    parts = []
+    for error in errors:
+        where = ".".join(str(part) for part in error.get("loc", ()))
+        why = (error.get("ctx") or {}).get("error")
+        parts.append(f"{where}: {error.get('msg')}" + (f" ({why})" if why else ""))
+    return "invalid request body: " + "; ".join(parts)
+
+
+def openai_errors(app) -> None:
+    """Error responses of ``app`` in the OpenAI API's shape, ``{"error": {"message", "type", "param", "code"}}``, with
+    FastAPI's ``detail`` kept beside it: the ``openai`` client puts ``error.message`` in its exception text (with
+    ``detail`` alone it says only "Error code: 400").  Installed through FastAPI's public exception handlers."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc):
+        message = exc.detail if isinstance(exc.detail, str) else str(jsonable_encoder(exc.detail))
+        return _error_response(exc.status_code, message, exc.detail, getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request, exc):
+        return _error_response(422, _validation_message(exc.errors()), exc.errors())
+
+
+def build_app(model, processor, name: str, *, continuous_batching: bool = True, cb_config=None):
+    """``(app, generation_state)``: Transformers' FastAPI app serving ``model`` (with ``processor``, a tokenizer)
+    as ``name`` on ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/v1/models``, ``/health``;
+    ``generation_state.shutdown()`` stops its engine once the server has stopped."""
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    manager = PreloadedModelManager(model, processor, name)
+    state = CheckedGenerationState(context, continuous_batching=continuous_batching, compile=False,
+                                   cb_config=cb_config)
+    common = {"model_manager": manager, "generation_state": state, "chat_template_kwargs": {}}
+    handlers = {
+        "completion_handler": checked(CompletionHandler)(manager, state),
+        "response_handler": checked(ResponseHandler)(**common),
+        "transcription_handler": TranscriptionHandler(manager, state),
+    }
+    for keyword, cls in serving_optional_handlers().items():
+        handlers[keyword] = cls(**accepted_keywords(cls.__init__, common))
+    chat = checked(ChatCompletionHandler)(**common)
+    app = build_server(manager, chat, **accepted_keywords(build_server, {**handlers, "generation_state": state}))
+    openai_errors(app)
+    return app, state
