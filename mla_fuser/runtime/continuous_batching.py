@@ -99,6 +99,12 @@ Q_PADDING_INTERVAL = 256
 KV_PADDING_INTERVAL = 1 << 40
 
 
+# Whether the device path reads the latent rows in place from the engine's pages (split-row kernel) rather than
+# gathering them into one contiguous copy first (``latent_gather`` + ``mla_decode``); chosen by measurement
+# (``benchmarks/bench_serving.py --cb-read``).
+READ_PAGES_IN_PLACE = True
+
+
 def steps_graphs(config, model) -> None:
     """Let the engine capture its steps in CUDA graphs (varlen path) on a GPU when every fused MLA layer attends on
     the device path (``attention_interfaces.ragged``: no host read); the caller's explicit ``use_cuda_graph=False``
@@ -171,7 +177,8 @@ def latent_cache_class():
             (``ragged.PagesRows``: the split-row kernel reads them in place, nothing is read back here); None where
             the layout, the release or the device do not allow it."""
             allocator = self.layer_to_allocator[layer_idx]
-            views = page_views(allocator, layer_idx) if self.split and runs_on_device(key_states) else None
+            views = (page_views(allocator, layer_idx)
+                     if READ_PAGES_IN_PLACE and self.split and runs_on_device(key_states) else None)
             if views is None:
                 return None
             read_index = kwargs["read_index"]
