@@ -427,3 +427,20 @@ def test_adapters_on_the_split_layout_read_the_rows_back(monkeypatch):
         assert out[f"req_{i}"].error is None, out[f"req_{i}"].error
         assert out[f"req_{i}"].generated_tokens == _native_tokens(native, p, config)
     assert joins  # the written-only rows were read back for the adapter-wrapped layers
+
+
+@needs_cb
+def test_a_latent_that_lost_its_rows_fails_loudly(monkeypatch, device_path):
+    """If what reaches the attention is the step's new rows without the tag saying where every context's rows lie
+    (model code between the cache update and the attention rebuilt the tensor), the step fails with a clear error
+    instead of attending only the new tokens."""
+    from mla_fuser.attention_interfaces import ragged
+
+    native, fused = _pair(kv_lora_rank=32)
+    real = ragged.PAGES_ROWS_ATTR
+    monkeypatch.setattr(ragged, "PAGES_ROWS_ATTR", real + "_not_there")  # the tag is looked up under another name
+    out = fused.generate_batch(_prompts([9, 4], seed=2), generation_config=_greedy(3), continuous_batching_config=
+                               _cb_config(), progress_bar=False)
+    errors = [r.error for r in out.values()]
+    assert all(e and "changed between the cache update and the attention" in e for e in errors), errors
+    device_path.append("(refused)")

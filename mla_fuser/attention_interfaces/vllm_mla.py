@@ -374,6 +374,16 @@ def _ragged(module, query, kv_c, k_pe, scaling, dropout, softcap, extra, kwargs,
     rows = getattr(kv_c, ragged.PAGES_ROWS_ATTR, None)  # the rows were only written: they lie in the engine's pages
     if rows is not None and not device_path:
         kv_c, k_pe = rows.read()
+    read_index = kwargs.get("read_index")
+    if (rows is None and isinstance(read_index, (list, tuple)) and read_index
+            and all(r.numel() and r.shape[0] != kv_c.shape[2] for r in read_index)):
+        # (shapes only, no sync) what reached us is neither every context's rows nor tagged new rows: the model's
+        # code changed the latent between the cache update and the attention, and attending it would be wrong
+        raise RuntimeError(
+            f"vllm_mla: a continuous-batching step of {type(module).__name__} received {kv_c.shape[2]} latent rows "
+            f"for contexts of {read_index[0].shape[0]}: the latent was changed between the cache update and the "
+            f"attention (set ContinuousBatchingConfig(use_cuda_graph=False) and report the model)"
+        )
     cu_k = kwargs["cu_seq_lens_k"]
     if not isinstance(cu_k, torch.Tensor):
         raise RuntimeError("vllm_mla: a continuous-batching step reached the attention without its layer's key bounds")
