@@ -19,6 +19,14 @@ force the split count, ``--sweep`` to time a grid of tile configs (BLOCK_H, BLOC
 num_stages) and ``--sweep-splits`` to time split counts, so one GPU call can pick the best config.
 Everything lands in a JSON file (``--out``).
 
+``--fp8-cache`` also times, in the same run and on the same latent quantised per token, ``mla_decode_fp8`` over an
+FP8 cache (``PagedLatentCache(dtype=torch.float8_e4m3fn)``: 592-byte rows, ``kernels.latent_fp8``) and reports its
+speedup over the bf16 kernel (issue 15's target: >= 1.8x at H=16 B=64 L=8192) and its error against the fp32
+reference of the unquantised latent; with ``--sweep`` it sweeps the FP8 kernel's tiles too.  Its GB/s count the FP8
+rows' bytes.  Default output: ``benchmarks/results/mla_decode_fp8_cache.json``.  Typical call::
+
+    python benchmarks/bench_mla_decode_kernel.py --fp8-cache --heads 16 --shapes 64x8192
+
 ``--dry-run`` runs the whole flow on CPU under Triton's interpreter with tiny shapes (seconds), to
 check the script itself; its numbers mean nothing.
 """
@@ -60,12 +68,15 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mla_decode_kernel.json; "
                    "a dry run defaults to a temp file so it never overwrites GPU results)")
     p.add_argument("--dry-run", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny shapes")
+    p.add_argument("--fp8-cache", action="store_true",
+                   help="also time mla_decode_fp8 over an FP8 (e4m3, per-token scales) cache, vs bf16 in the same run")
     args = p.parse_args(argv)
     if args.out is None:
+        name = "mla_decode_fp8_cache" if args.fp8_cache else "mla_decode_kernel"
         args.out = (
-            os.path.join(tempfile.gettempdir(), "mla_decode_kernel_dryrun.json")
+            os.path.join(tempfile.gettempdir(), f"{name}_dryrun.json")
             if args.dry_run
-            else os.path.join(ROOT, "benchmarks", "results", "mla_decode_kernel.json")
+            else os.path.join(ROOT, "benchmarks", "results", f"{name}.json")
         )
     args.heads = [int(h) for h in args.heads.split(",") if h]
     args.shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",") if s]
@@ -304,6 +315,73 @@ def check_correctness(device, dtype, heads, page_size, dry, gen):
     return res
 
 
+def fp8_case(args, timer, device, sets, bf16_case, scale, copy_gbps, l2, forced):
+    """The FP8-cache row of a case: the same latents (``sets``) quantised per token, timed like the bf16 ones."""
+    import torch
+
+    from mla_fuser.kernels.latent_fp8 import packed_width, quantise_rows
+    from mla_fuser.kernels.mla_decode import MLADecodeConfig, mla_decode_ref
+    from mla_fuser.kernels.mla_decode_fp8 import mla_decode_fp8, mla_decode_fp8_ref, mla_decode_fp8_triton
+
+    H, B, L = bf16_case["H"], bf16_case["B"], bf16_case["L"]
+    width = packed_width(R + ROPE)
+    nbytes = B * L * width
+    n_copies = 1 if device == "cpu" else max(1, min(len(sets), math.ceil(3 * l2 / nbytes)))
+    fp8_sets = []
+    for q, kv, bt, lens in sets[:n_copies]:
+        pages = torch.empty(kv.shape[0], kv.shape[1], width, device=kv.device, dtype=torch.float8_e4m3fn)
+        for i in range(0, kv.shape[0], 4096):  # in chunks: fp32 temporaries of the largest case are ~1 GB each
+            pages[i:i + 4096] = quantise_rows(kv[i:i + 4096, :, :R], kv[i:i + 4096, :, R:])
+        fp8_sets.append((q, pages, bt, lens))
+    row = {"bytes_per_token": width, "input_copies": n_copies}
+    # accuracy on the first set: kernel vs its twin, and vs the fp32 reference of the unquantised latent (a few
+    # sequences: the reference is dense)
+    q, pages, bt, lens = fp8_sets[0]
+    kv = sets[0][1]
+    n = min(B, 4)
+    out = mla_decode_fp8(q, pages, bt, lens, scale, R)
+    twin = mla_decode_fp8_ref(q[:n], pages, bt[:n], lens[:n], scale, R).float()
+    exact = mla_decode_ref(q[:n].float(), kv.float(), bt[:n], lens[:n], scale, R)
+    row["rel_err_vs_twin"] = ((out[:n].float() - twin).norm() / twin.norm()).item()
+    row["rel_err_vs_unquantised_fp32"] = ((out[:n].float() - exact).norm() / exact.norm()).item()
+    row["check_ok"] = bool(torch.isfinite(out).all()) and row["rel_err_vs_twin"] < 1e-2
+    fns = [lambda s=s: mla_decode_fp8(*s, scale, R, num_splits=args.num_splits) for s in fp8_sets]
+    if forced is not None:
+        fns = [lambda s=s: mla_decode_fp8_triton(*s, scale, R, num_splits=args.num_splits, config=forced)
+               for s in fp8_sets]
+    ms = timer.graph(fns)
+    gbps = nbytes / ms / 1e6
+    row.update(ms=ms, us=ms * 1e3, GBps=gbps, ratio_to_copy=gbps / copy_gbps, speedup_vs_bf16=bf16_case["ms"] / ms)
+    if not args.no_eager:
+        row["eager_us"] = timer.eager(fns[0]) * 1e3
+    fns[0]()
+    row.update(kernel_info())
+    print(f"    fp8 cache: {row['us']:8.1f} us  {gbps:6.0f} GB/s ({row['ratio_to_copy']:.2f}x copy)  "
+          f"{row['speedup_vs_bf16']:.2f}x bf16  rel_err vs twin {row['rel_err_vs_twin']:.1e}, vs unquantised "
+          f"{row['rel_err_vs_unquantised_fp32']:.1e} {'OK' if row['check_ok'] else 'FAIL'}  "
+          f"splits={row.get('num_splits')} regs={row.get('n_regs')} spills={row.get('n_spills')}", flush=True)
+    if args.sweep and (not args.sweep_shapes or (B, L) in args.sweep_shapes):
+        rows = []
+        cfgs = [c for c in sweep_configs(H) if not c.swap_ab]  # (the FP8 kernel has no swapped form)
+        cfgs += [MLADecodeConfig(16, 128, 4, 2, False, 2), MLADecodeConfig(16, 64, 4, 4, False, 2)] if H <= 16 else []
+        for cfg in cfgs[: args.sweep_max_configs or None]:
+            r = {"config": vars(cfg)}
+            try:
+                ms = timer.graph([lambda s=s: mla_decode_fp8_triton(*s, scale, R, config=cfg) for s in fp8_sets])
+                r.update(ms=ms, us=ms * 1e3, GBps=nbytes / ms / 1e6, speedup_vs_bf16=bf16_case["ms"] / ms)
+                r.update(kernel_info())
+                print(f"      fp8 {cfg.block_h:3d} {cfg.block_n:3d} w{cfg.num_warps} s{cfg.num_stages}: {r['us']:8.1f} us "
+                      f"{r['GBps']:6.0f} GB/s {r['speedup_vs_bf16']:.2f}x S={r.get('num_splits')} "
+                      f"regs={r.get('n_regs')} spill={r.get('n_spills')} smem={r.get('shared_bytes')}", flush=True)
+            except Exception as e:  # e.g. out of shared memory
+                r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                print(f"      fp8 {r['config']}: {r['error'][:120]}", flush=True)
+            rows.append(r)
+        row["sweep"] = rows
+    del fp8_sets
+    return row
+
+
 def dump(result, path):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -419,6 +497,12 @@ def main(argv=None):
                     for r in rows:
                         if "error" in r:
                             print(f"      {r['config']}: {r['error'][:120]}", flush=True)
+            if args.fp8_cache:
+                try:
+                    case["fp8_cache"] = fp8_case(args, timer, device, sets, case, scale, copy_gbps, l2, forced)
+                except Exception as e:  # recorded, so the bf16 numbers of the run survive
+                    case["fp8_cache"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    print(f"    fp8 cache: {case['fp8_cache']['error']}", flush=True)
             if args.sweep_splits:
                 rows = []
                 for ns in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -440,6 +524,10 @@ def main(argv=None):
     print("\nsummary (H, B, L, us, GB/s, x copy, TFLOP/s):")
     for c in cases:
         print(f"  {c['H']:4d} {c['B']:4d} {c['L']:6d} {c['us']:9.1f} {c['GBps']:7.0f} {c['ratio_to_copy']:5.2f} {c['TFLOPs']:6.1f}")
+        f8 = c.get("fp8_cache", {})
+        if "us" in f8:
+            print(f"       fp8 cache {f8['us']:9.1f} {f8['GBps']:7.0f} {f8['ratio_to_copy']:5.2f}  "
+                  f"{f8['speedup_vs_bf16']:.2f}x bf16")
     return result
 
 

@@ -14,6 +14,8 @@ table and a length.  Writing a step costs O(new tokens); nothing of the history 
   concurrent requests.
 * ``static=True`` allocates every sequence's pages up front (for ``max_seq_len`` tokens), so a decode step
   only does device-side index arithmetic: the shapes and addresses a CUDA graph needs stay fixed.
+* ``dtype`` (default: the latent's own) sets the pages' dtype; ``torch.float8_e4m3fn`` halves the cache: rows of e4m3
+  values with one fp32 scale per token for ``kv_c`` and one for ``k_pe`` (``kernels.latent_fp8``, which says why).
 * Non-MLA layers (hybrid models), DSA layers with indexer caches and unfused MLA layers keep the layer
   Transformers' ``DynamicCache`` would give them.
 * ``generate()``: beam search (``reorder_cache``), ``crop`` (assisted decoding), ``batch_select_indices``
@@ -36,6 +38,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
 from .kernels.dispatch import on_device, use_triton
+from .kernels.latent_fp8 import FP8_DTYPE, dequantise_rows, is_fp8, packed_width, raw
 from .kernels.paged_cpu import append_rows
 from .kernels.paged_cache_ops import paged_append
 from .plans import model_state, plan_of
@@ -219,10 +222,12 @@ class PagedLatentLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ set-up
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        self.rank = key_states.shape[-1]
-        width = key_states.shape[-1] + value_states.shape[-1]
+        self.rank, self.dtype = key_states.shape[-1], key_states.dtype  # (reads of an FP8 pool dequantise to dtype)
+        self.width = width = key_states.shape[-1] + value_states.shape[-1]
         first_pages = key_states.shape[0] * math.ceil(key_states.shape[2] / self.cache.page_size)
-        self.pool = self.cache._pool_for(self.layer_idx, width, key_states.dtype, key_states.device, first_pages)
+        dtype = self.cache.latent_dtype or key_states.dtype
+        self.pool = self.cache._pool_for(self.layer_idx, packed_width(width) if is_fp8(dtype) else width, dtype,
+                                         key_states.device, first_pages)
         self.is_initialized = True
 
     def _ensure_batch(self, batch: int) -> bool:
@@ -294,7 +299,7 @@ class PagedLatentLayer(CacheLayerMixin):
             target = self._prepare(batch, new)
         pages = self.pool.pages
         kv_c, k_pe = key_states[:, 0], value_states[:, 0]
-        if kv_c.dtype != pages.dtype or k_pe.dtype != pages.dtype:
+        if (kv_c.dtype != pages.dtype or k_pe.dtype != pages.dtype) and not is_fp8(pages):  # (FP8: quantised)
             kv_c, k_pe = kv_c.to(pages.dtype), k_pe.to(pages.dtype)
         # destinations from the block table and the lengths, in the kernel: one launch, no index arithmetic; on the
         # layer's device (device_map splits), not the current one
@@ -350,10 +355,16 @@ class PagedLatentLayer(CacheLayerMixin):
         return kv, pe
 
     def gather(self) -> torch.Tensor:
+        """Every sequence's latent ``[B, T, rank + rope]`` (an FP8 pool's rows dequantised to the latent's dtype)."""
+        rows = self._rows()
+        return dequantise_rows(rows, self.rank, self.width, self.dtype) if is_fp8(rows) else rows
+
+    def _rows(self) -> torch.Tensor:
+        """The rows as the pages hold them ``[B, T, pool width]``."""
         total = max(self.host_lens) if self.host_lens else 0
         pages_needed = math.ceil(total / self.pool.page_size)
         table = self.block_table[:, :pages_needed].long()
-        data = self.pool.pages[table]  # [B, n, P, W]
+        data = raw(self.pool.pages)[table].view(self.pool.pages.dtype)  # [B, n, P, W]
         return data.reshape(table.shape[0], -1, self.pool.width)[:, :total]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -417,7 +428,7 @@ class PagedLatentLayer(CacheLayerMixin):
                 f"paged latent cache: copying sequences {source} needs {needed} pages of {page} tokens, the pool "
                 f"has {available} (free plus this cache's own); raise max_cache_tokens / memory_fraction"
             )
-        data = self.gather()[torch.as_tensor(source, device=self.device)]  # [B', T, W]
+        data = raw(self._rows())[torch.as_tensor(source, device=self.device)]  # [B', T, W]
         old = self._owned()
         self.host_tables = [[] for _ in source]
         self.host_lens = [0] * len(source)
@@ -429,7 +440,7 @@ class PagedLatentLayer(CacheLayerMixin):
         positions = torch.arange(total, device=self.device)
         page_ids = self.block_table.long()[:, positions // page]
         slots = (page_ids * page + positions % page).reshape(-1)
-        self.pool.pages.view(-1, self.pool.width).index_copy_(0, slots, data.reshape(-1, self.pool.width))
+        raw(self.pool.pages).view(-1, self.pool.width).index_copy_(0, slots, data.reshape(-1, self.pool.width))
         self.host_lens = lens
         self._sync_tables()
         if self.starts is not None:  # each sequence keeps its own padding (in place while the batch size holds)
@@ -465,7 +476,7 @@ class PagedLatentLayer(CacheLayerMixin):
         if partial:  # the partly written page: old source[i]'s page `full` into i's own page `full`
             if self._home_device is None:  # [pages, B]: a column of home is a contiguous row here
                 self._home_device = torch.tensor(home, dtype=torch.long).t().contiguous().to(self.device)
-            pages = self.pool.pages
+            pages = raw(self.pool.pages)
             pages.index_copy_(0, self._home_device[full], pages.index_select(0, rows[:, full].long()))
         if full:
             self.block_table[:, :full] = rows[:, :full]
@@ -487,7 +498,7 @@ class PagedLatentLayer(CacheLayerMixin):
                     dst.append(own[j])
             table[column:] = own[column:]
         if src:  # all reads before any write: a page may be both read (for one sequence) and written (another's own)
-            pages = self.pool.pages
+            pages = raw(self.pool.pages)
             index = torch.tensor(dst + src, dtype=torch.long).to(self.device)
             pages.index_copy_(0, index[: len(dst)], pages.index_select(0, index[len(dst):]))
 
@@ -504,7 +515,7 @@ class PagedLatentLayer(CacheLayerMixin):
         def slots(pos):
             return (table.gather(1, pos // page) * page + pos % page).reshape(-1)
 
-        flat = self.pool.pages.view(-1, width)
+        flat = raw(self.pool.pages).view(-1, width)
         flat.index_copy_(0, slots(positions), flat.index_select(0, slots(order.to(self.device))))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -524,12 +535,14 @@ class PagedLatentCache(DynamicCache):
         memory_fraction: alternatively, the fraction of free device memory all pools may take.
         static: allocate ``max_seq_len`` tokens per sequence up front (fixed addresses for CUDA graphs).
         share_pools_with: another ``PagedLatentCache`` of the same model whose pools (budget) to share.
+        dtype: the pages' dtype (default: the latent's); ``torch.float8_e4m3fn``: e4m3 rows with per-token scales
+            (half the bytes; decode and prefill dequantise; not for continuous batching's cache).
     """
 
     def __init__(self, model=None, *, config=None, paged_layers=None, page_size: int = 64,
                  max_cache_tokens: int | None = None, memory_fraction: float | None = None, static: bool = False,
                  max_seq_len: int | None = None, share_pools_with: "PagedLatentCache | None" = None,
-                 growable: bool | None = None):
+                 growable: bool | None = None, dtype: torch.dtype | None = None):
         if model is not None:
             config = model.config
             paged_layers = paged_layer_indices(model) if paged_layers is None else paged_layers
@@ -544,7 +557,9 @@ class PagedLatentCache(DynamicCache):
             raise ValueError("memory_fraction must be in (0, 1]")
         if static and max_seq_len is None:
             raise ValueError("static=True needs max_seq_len")
-        self.page_size = page_size
+        if dtype is not None and (not dtype.is_floating_point or (dtype.itemsize == 1 and dtype != FP8_DTYPE)):
+            raise ValueError(f"PagedLatentCache dtype must be a floating dtype or torch.float8_e4m3fn, got {dtype}")
+        self.page_size, self.latent_dtype = page_size, dtype
         self.padding_starts: torch.Tensor | None = None  # see set_left_padding
         self._moved_padding = None  # (order, previous starts) while move_padding_left holds
         self.max_cache_tokens = max_cache_tokens
@@ -631,11 +646,11 @@ class PagedLatentCache(DynamicCache):
         return position if layer.starts is None else position - layer.starts.view(batch, 1).long()
 
     @classmethod
-    def static_for(cls, model, batch: int, max_seq_len: int, page_size: int = 64) -> "PagedLatentCache":
+    def static_for(cls, model, batch: int, max_seq_len: int, page_size: int = 64, dtype=None) -> "PagedLatentCache":
         """A static cache holding exactly ``batch`` sequences of up to ``max_seq_len`` tokens (whole pages)."""
         pages = math.ceil(max_seq_len / page_size)
         return cls(model, page_size=page_size, static=True, max_seq_len=max_seq_len,
-                   max_cache_tokens=batch * pages * page_size)
+                   max_cache_tokens=batch * pages * page_size, dtype=dtype)
 
     def _pool_for(self, layer_idx: int, width: int, dtype, device, first_pages: int | None = None) -> PagePool:
         pool = self._pools.get(layer_idx)

@@ -6,6 +6,10 @@
   whose weight is not what it computes):
   the latent is gathered from the pages (contiguous ``[B, T, rank + rope]``) and the contiguous fused path
   runs on it, which expands K/V for prefill (compute-bound) and absorbs for single-token steps.
+
+An FP8 cache (``PagedLatentCache(..., dtype=torch.float8_e4m3fn)``): decode runs ``mla_decode_fp8`` (per-token scales
+applied in the kernel); the gathered latent is dequantised to the latent's dtype (``PagedLatentLayer.gather``), and a
+prompt's own prefill attends its unquantised latent, as with any cache (only later steps read the rounded rows).
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import torch
 
 from ..kernels.dispatch import on_device
+from ..kernels.latent_fp8 import is_fp8
 from ..kernels.mla_decode import mla_decode
+from ..kernels.mla_decode_fp8 import mla_decode_fp8
 
 
 def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts=None):
@@ -28,9 +34,11 @@ def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts=None):
     # [H, B, nope] x [H, nope, rank] -> [H, B, rank]
     q_lat = torch.bmm(q_nope.transpose(0, 1), _as(w_uk, q_nope.dtype)).transpose(0, 1)
     pages = view.pages
-    q_abs = _as(torch.cat([q_lat, q_pe], dim=-1), pages.dtype).contiguous()
+    fp8 = is_fp8(pages)  # an FP8 cache: q stays in the latent's dtype, the kernel converts the e4m3 rows to it
+    q_abs = _as(torch.cat([q_lat, q_pe], dim=-1), view.new_kv_c.dtype if fp8 else pages.dtype).contiguous()
     with on_device(q_abs):
-        out_lat = mla_decode(q_abs, pages, view.block_table, view.seq_lens, scaling, m.kv_lora_rank, starts=starts)
+        out_lat = (mla_decode_fp8 if fp8 else mla_decode)(q_abs, pages, view.block_table, view.seq_lens, scaling,
+                                                          m.kv_lora_rank, starts=starts)
     # [H, B, rank] x [H, rank, v] -> [H, B, v]
     out = torch.bmm(_as(out_lat.transpose(0, 1), w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
     if b_v is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import LazyJit, kernel_op, tl, triton, use_triton
+from .latent_fp8 import is_fp8, paged_append_fp8_triton, paged_write_fp8_triton, quantise_rows
 from .paged_cpu import paged_append_cpu
 
 __all__ = ["paged_append", "paged_append_ref", "paged_append_triton", "paged_write", "paged_write_ref",
@@ -33,7 +34,12 @@ def paged_write_ref(kv_pages, slot_mapping, kv_c, k_pe) -> None:
     slot, which one wins is unspecified (as in the kernel).
     """
     page_size = kv_pages.shape[1]
-    row = kv_c if k_pe is None or k_pe.shape[-1] == 0 else torch.cat([kv_c, k_pe.to(kv_c.dtype)], dim=-1)
+    if is_fp8(kv_pages):  # an FP8 pool: packed rows (values and per-token scales, see latent_fp8)
+        row = quantise_rows(kv_c, k_pe)
+    elif k_pe is None or k_pe.shape[-1] == 0:
+        row = kv_c
+    else:
+        row = torch.cat([kv_c, k_pe.to(kv_c.dtype)], dim=-1)
     slot = slot_mapping.to(device=kv_pages.device, dtype=torch.long)
     valid = slot >= 0
     slot, row = slot[valid], row[valid]
@@ -129,7 +135,7 @@ def paged_write_triton(kv_pages, slot_mapping, kv_c, k_pe) -> None:
 @kernel_op("paged_write", mutates_args=("kv_pages",))
 def _paged_write_op(kv_pages: torch.Tensor, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
     if use_triton(kv_pages):
-        paged_write_triton(kv_pages, slot_mapping, kv_c, k_pe)
+        (paged_write_fp8_triton if is_fp8(kv_pages) else paged_write_triton)(kv_pages, slot_mapping, kv_c, k_pe)
     else:
         paged_write_ref(kv_pages, slot_mapping, kv_c, k_pe)
 
@@ -146,7 +152,8 @@ def paged_write(kv_pages, slot_mapping, kv_c, k_pe) -> None:
         kv_pages: ``[num_pages, page_size, D]`` cache, modified in place.
         slot_mapping: int32/int64 ``[N]``; slot = page_id * page_size + offset; < 0 skips the token.
         kv_c: ``[N, v_dim]`` compressed latents; k_pe: ``[N, rope]`` (rope may be 0, or None).
-    Inputs are cast to the cache dtype.  Backend: ``use_triton(kv_pages)``.  Under torch.compile the
+    Inputs are cast to the cache dtype; a ``float8_e4m3fn`` cache is quantised per token (rows packed with
+    their scales, :mod:`mla_fuser.kernels.latent_fp8`).  Backend: ``use_triton(kv_pages)``.  Under torch.compile the
     call goes through the ``mla_fuser::paged_write`` custom op (declared as mutating ``kv_pages``);
     in eager mode its implementation is called directly.
     """
@@ -241,7 +248,8 @@ def paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
 def _paged_append_op(kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
     if use_triton(kv_pages):
-        paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe)
+        (paged_append_fp8_triton if is_fp8(kv_pages) else paged_append_triton)(kv_pages, block_table, seq_lens,
+                                                                                kv_c, k_pe)
     elif kv_pages.is_cpu:  # host reads are free there: slots as ints, a copy per page (paged_cpu)
         paged_append_cpu(kv_pages, block_table, seq_lens, kv_c, k_pe)
     else:
@@ -264,7 +272,8 @@ def paged_append(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
             position ``seq_lens[b] + t``.
     Why: the destination slots come from device memory inside the kernel, so a step costs one launch and no
     index arithmetic in torch (eight small launches per layer, a noticeable share of a captured decode step).
-    The pages covering the new positions must already be in the block table.  Backend: ``use_triton(kv_pages)``;
+    The pages covering the new positions must already be in the block table.  A ``float8_e4m3fn`` cache is
+    quantised per token (:mod:`mla_fuser.kernels.latent_fp8`).  Backend: ``use_triton(kv_pages)``;
     the torch backend runs ``paged_cpu.paged_append_cpu`` on CPU tensors, the reference elsewhere.
     """
     if k_pe is None:

@@ -8,7 +8,8 @@ the lengths and page ids are read as Python ints and each sequence attends exact
 the pool (no copy) when its pages are consecutive, as the pages of one growing sequence are; decode costs about a
 dozen ops, a step's write one ``cat`` into the rows of each page it touches.
 
-Same math and rounding points as the references (attention in fp32, rows cast to the pool's dtype on write);
+Same math and rounding points as the references (attention in fp32, rows cast to the pool's dtype on write, or
+quantised into packed rows for an FP8 pool, :mod:`latent_fp8`);
 ``tests/test_kernel_mla_decode.py`` checks both against them.  ``mla_decode`` and ``paged_append`` run these for CPU
 tensors whenever Triton does not (``dispatch.use_triton``); the paged cache, which keeps the block tables and lengths
 on the host anyway, writes an eager CPU step through :func:`append_rows` with its own lists.
@@ -17,6 +18,8 @@ on the host anyway, writes an eager CPU step through :func:`append_rows` with it
 from __future__ import annotations
 
 import torch
+
+from .latent_fp8 import dequantise_rows, is_fp8, quantise_rows
 
 __all__ = ["append_rows", "mla_decode_cpu", "paged_append_cpu", "sequence_rows"]
 
@@ -54,7 +57,8 @@ def mla_decode_cpu(q, kv_pages, block_table, seq_lens, scale, v_dim, starts=None
         if length <= start:
             outs.append(q32.new_zeros(heads, v_dim))
             continue
-        rows = _fp32(sequence_rows(kv_pages, table[b], start, length))  # [T, D]
+        rows = sequence_rows(kv_pages, table[b], start, length)  # [T, D] (an FP8 pool: packed [T, W])
+        rows = dequantise_rows(rows, v_dim, q.shape[-1]) if is_fp8(kv_pages) else _fp32(rows)
         scores = torch.mm(q32[b], rows.t()).mul_(scale)  # [H, T]
         outs.append(torch.mm(torch.softmax(scores, dim=-1), rows[:, :v_dim]))
     out = outs[0].unsqueeze(0) if batch == 1 else torch.stack(outs)
@@ -70,6 +74,8 @@ def paged_append_cpu(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
 def append_rows(kv_pages, tables: list[list[int]], lens: list[int], kv_c, k_pe) -> None:
     """:func:`paged_append_cpu` with the block table and the lengths as host lists (a cache that keeps them there
     passes its own: no tensor read at all)."""
+    if is_fp8(kv_pages):  # packed rows (values and their scales, see latent_fp8), written whole
+        kv_c, k_pe = quantise_rows(kv_c, k_pe), None
     batch, new, v_dim = kv_c.shape
     page_size = kv_pages.shape[1]
     rope = 0 if k_pe is None else k_pe.shape[-1]
