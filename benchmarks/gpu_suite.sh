@@ -3,7 +3,8 @@
 # Usage on the GPU machine, from the repo root, with the libcst and transformers wheels carried in .whl/:
 #   bash benchmarks/gpu_suite.sh                 # every step; results under $OUT (or benchmarks/results/gpu_suite/)
 #   bash benchmarks/gpu_suite.sh tests graph     # only the named steps
-# Steps: tests kernel moe moe_layer ssm model graph generate profile host mamba.  Each has its own time limit so one slow step cannot
+# Steps: tests kernel moe moe_layer ssm model graph generate profile host mamba, and (not in the default set: run
+# them by name) serving modes fp8.  Each has its own time limit so one slow step cannot
 # eat the others.
 set -u
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -36,4 +37,13 @@ want profile && step 150 python3 benchmarks/profile_model.py --out "$out/profile
 want host && step 120 python3 benchmarks/profile_host.py --out "$out/profile_host.txt"
 want mamba && step 120 python3 benchmarks/bench_mamba_generate.py --layers 8 --prompt 2048 --new-tokens 64 \
            --out "$out/mamba2_generate.json"
+want serving && step 420 python3 benchmarks/bench_serving.py --requests 1000 --static-requests 256 --native-requests 32 \
+           --out "$out/serving_v2lite.json" --plot "$out/serving_v2lite.png"
+want modes && step 200 env MLA_FUSER_GPU_RESULTS="$out/gpu_generation_modes.json" python3 -m pytest -q -p no:cacheprovider \
+           tests/test_gpu_generation_modes.py tests/test_gpu_continuous_batching.py
+want modes && step 300 python3 benchmarks/bench_generate_modes.py --budget-s 150 --out "$out/generate_modes.json"
+want fp8 && step 120 python3 benchmarks/bench_fp8_gemm.py --out "$out/fp8_gemm.json"
+want fp8 && step 120 python3 benchmarks/bench_fp8_gemm.py --experts --out "$out/fp8_experts.json"
+want fp8 && step 90 python3 benchmarks/bench_mla_decode_kernel.py --fp8-cache --out "$out/mla_decode_fp8_cache.json"
+want fp8 && step 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_experts.py tests/test_fp8_cache.py
 ls -la "$out"
