@@ -448,3 +448,14 @@ def test_cpu_append_matches_ref(rope, dtypes, new):
         if rope:  # a write wider or narrower than a cache row is refused
             with pytest.raises(ValueError, match="row width"):
                 paged_append_cpu(kv, table, lens_t, kv_c, k_pe[..., 1:])
+
+
+def test_host_tile_helpers_equal_tritons():
+    """The launchers size tiles and grids with dispatch's plain-Python helpers (Triton's own are constexpr functions
+    whose host calls cost microseconds each, several per launch): same values."""
+    triton = pytest.importorskip("triton")
+    from mla_fuser.kernels.dispatch import cdiv, next_pow2
+
+    for n in range(1, 3000):
+        assert next_pow2(n) == triton.next_power_of_2(n)
+        assert cdiv(n, 64) == triton.cdiv(n, 64) and cdiv(n, 7) == triton.cdiv(n, 7)

@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .dispatch import LazyJit, kernel_op, next_pow2, tl, triton, triton_interpreting, use_triton
+from .dispatch import LazyJit, cdiv, kernel_op, next_pow2, tl, triton_interpreting, use_triton
 
 __all__ = [
     "causal_conv1d",
@@ -315,7 +315,7 @@ def _conv_fwd_launch(x, weight, bias, initial_states, seq_idx, silu, final_len):
     block_l = 64 if x.stride(1) == 1 else 128
     if triton_interpreting():
         block_c, block_l = 16, 16
-    grid = (triton.cdiv(channels, block_c), triton.cdiv(seqlen, block_l), bsz)
+    grid = (cdiv(channels, block_c), cdiv(seqlen, block_l), bsz)
     _causal_conv1d_fwd_kernel[grid](
         x, weight, bias if bias is not None else x, init_t, seq_t, out, final,
         channels, seqlen, initial_states.shape[-1] if initial_states is not None else 0,
@@ -349,7 +349,7 @@ def _conv_update_launch(x, conv_state, weight, bias, silu):
         raise ValueError(f"conv_state needs >= {width - 1} columns, got {state_len}")
     out = torch.empty(bsz, channels, seqlen, dtype=x.dtype, device=x.device)
     block_c = 16 if triton_interpreting() else 256
-    grid = (triton.cdiv(channels, block_c), bsz)
+    grid = (cdiv(channels, block_c), bsz)
     _causal_conv1d_update_kernel[grid](
         xs, conv_state, weight, bias if bias is not None else x, out,
         channels,

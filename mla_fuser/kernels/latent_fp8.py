@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import LazyJit, MAX_COMBINE, tl, triton, triton_interpreting
+from .dispatch import MAX_COMBINE, LazyJit, next_pow2, tl, triton_interpreting
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "dequantise_rows", "is_fp8", "packed_width", "paged_write_fp8_triton",
            "quantise_rows", "raw", "scale_column"]
@@ -171,8 +171,8 @@ def _launch(kv_pages, slots, table, lens, kv_c, k_pe, new, from_table):
         kv_pages, scales, slots, table, lens, kv_c, k_pe, new, v_dim, rope, scale_column(v_dim + rope) // 4,
         kv_pages.stride(0), kv_pages.stride(1), scales.stride(0), scales.stride(1), table.stride(0),
         *cstride, *pstride,
-        PAGE_SIZE=kv_pages.shape[1], BLOCK_V=triton.next_power_of_2(v_dim),
-        BLOCK_R=triton.next_power_of_2(max(rope, 1)), HAS_ROPE=rope > 0, FROM_TABLE=from_table,
+        PAGE_SIZE=kv_pages.shape[1], BLOCK_V=next_pow2(v_dim),
+        BLOCK_R=next_pow2(max(rope, 1)), HAS_ROPE=rope > 0, FROM_TABLE=from_table,
         ROUND_FIRST=triton_interpreting(), FP8_MAX=FP8_MAX, TINY=_TINY,
         num_warps=4 if v_dim + rope >= 256 else 1,
     )  # fmt: skip

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import LazyJit, tl, triton, use_triton
+from .dispatch import LazyJit, cdiv, next_pow2, tl, use_triton
 
 __all__ = ["latent_gather", "latent_gather_ref", "latent_gather_triton"]
 
@@ -53,8 +53,8 @@ def latent_gather_triton(k_rows, v_rows, index, count, out):
     """Triton path of :func:`latent_gather` (no dispatch)."""
     half = k_rows.shape[-1]
     if index.shape[0]:
-        block_d = triton.next_power_of_2(half)
-        grid = (triton.cdiv(index.shape[0], BLOCK_ROWS),)
+        block_d = next_pow2(half)
+        grid = (cdiv(index.shape[0], BLOCK_ROWS),)
         _latent_gather_kernel[grid](k_rows, v_rows, index, count, out, k_rows.stride(0), v_rows.stride(0),
                                     out.stride(0), half, BLOCK_R=BLOCK_ROWS, BLOCK_D=block_d,
                                     num_warps=4 if block_d >= 256 else 2)

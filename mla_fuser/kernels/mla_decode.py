@@ -69,7 +69,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, kernel_op, tl, triton, triton_interpreting, use_triton
+from .dispatch import (
+    MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, kernel_op, next_pow2, tl, triton_interpreting, use_triton,
+)
 from .paged_cpu import mla_decode_cpu
 
 __all__ = [
@@ -389,6 +391,7 @@ class MLADecodeConfig:
     ctas_per_sm: int = 2
 
 
+@functools.lru_cache(maxsize=None)  # (asked on every call; frozen config)
 def default_config(num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
     """Defaults for Hopper (H100/H200), D=576, picked from sweeps on an H200 (triton 3.6, bf16,
     page 64; ``benchmarks/bench_mla_decode_kernel.py --sweep``):
@@ -430,10 +433,11 @@ def _tile_n(block_n: int, page_size: int) -> tuple[int, bool]:
     (pages smaller than the tile, or odd page sizes) each row looks its own page up: still one
     contiguous D-wide row per token, so loads stay wide, at the cost of a [BLOCK_N] index load.
     """
-    block_n = max(16, triton.next_power_of_2(block_n))
+    block_n = max(16, next_pow2(block_n))
     return block_n, page_size % block_n != 0
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of a few ints, asked on every eager call: its search runs once
 def choose_num_splits(
     batch: int,
     head_tiles: int,
@@ -530,12 +534,12 @@ def mla_decode_triton(
         return out
     max_pages = block_table.shape[1]
 
-    block_h = max(16, triton.next_power_of_2(cfg.block_h))
-    block_h = min(block_h, max(16, triton.next_power_of_2(H)))
+    block_h = max(16, next_pow2(cfg.block_h))
+    block_h = min(block_h, max(16, next_pow2(H)))
     block_n, per_row = _tile_n(cfg.block_n, page_size)
-    block_v = max(16, triton.next_power_of_2(v_dim))
-    block_r = max(16, triton.next_power_of_2(rope)) if rope > 0 else 16
-    head_tiles = triton.cdiv(H, block_h)
+    block_v = max(16, next_pow2(v_dim))
+    block_r = max(16, next_pow2(rope)) if rope > 0 else 16
+    head_tiles = cdiv(H, block_h)
 
     if num_splits is None:
         dev = q.device.index if q.is_cuda else None
@@ -606,9 +610,9 @@ def mla_decode_triton(
     if not direct:
         # Up to 128 splits merged in one load round; the v chunk shrinks as splits grow so a
         # program's tile stays <= 8K fp32 (64 registers/thread at 4 warps).
-        block_s = min(128, triton.next_power_of_2(num_splits))
+        block_s = min(128, next_pow2(num_splits))
         block_vc = max(16, min(128, block_v, 8192 // block_s))
-        grid2 = (triton.cdiv(v_dim, block_vc), H, B)
+        grid2 = (cdiv(v_dim, block_vc), H, B)
         _mla_decode_stage2[grid2](
             o_part,
             lse,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import LazyJit, kernel_op, tl, triton, use_triton
+from .dispatch import LazyJit, kernel_op, next_pow2, tl, use_triton
 from .latent_fp8 import is_fp8, paged_append_fp8_triton, paged_write_fp8_triton, quantise_rows
 from .paged_cpu import paged_append_cpu
 
@@ -125,8 +125,8 @@ def paged_write_triton(kv_pages, slot_mapping, kv_c, k_pe) -> None:
         kv_c.stride(0),
         k_pe.stride(0),
         PAGE_SIZE=kv_pages.shape[1],
-        BLOCK_V=triton.next_power_of_2(v_dim),
-        BLOCK_R=triton.next_power_of_2(max(rope, 1)),
+        BLOCK_V=next_pow2(v_dim),
+        BLOCK_R=next_pow2(max(rope, 1)),
         HAS_ROPE=rope > 0,
         num_warps=4 if v_dim + rope >= 256 else 1,
     )
@@ -238,8 +238,8 @@ def paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
         kv_pages, block_table, seq_lens, kv_c, k_pe, new, v_dim, rope,
         kv_pages.stride(0), kv_pages.stride(1), block_table.stride(0),
         kv_c.stride(0), kv_c.stride(1), k_pe.stride(0), k_pe.stride(1),
-        PAGE_SIZE=kv_pages.shape[1], BLOCK_V=triton.next_power_of_2(v_dim),
-        BLOCK_R=triton.next_power_of_2(max(rope, 1)), HAS_ROPE=rope > 0,
+        PAGE_SIZE=kv_pages.shape[1], BLOCK_V=next_pow2(v_dim),
+        BLOCK_R=next_pow2(max(rope, 1)), HAS_ROPE=rope > 0,
         num_warps=4 if v_dim + rope >= 256 else 1,
     )  # fmt: skip
 

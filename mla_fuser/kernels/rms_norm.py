@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import SUM_COMBINE, LazyJit, kernel_op, tl, triton, use_triton
+from .dispatch import SUM_COMBINE, LazyJit, kernel_op, next_pow2, tl, use_triton
 
 __all__ = ["KERNEL_DTYPES", "rms_norm", "rms_norm_ref", "rms_norm_triton"]
 
@@ -104,7 +104,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_of
     weight = weight.contiguous()
     out = torch.empty(rows.shape, dtype=output_dtype(x, weight, weight_in_fp32), device=x.device)
     if rows.shape[0] and width:
-        block = triton.next_power_of_2(width)
+        block = next_pow2(width)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, weight, out, rows.stride(0), out.stride(0), width, float(eps), float(weight_offset),
             BLOCK=block, WEIGHT_IN_FP32=bool(weight_in_fp32), HAS_OFFSET=bool(weight_offset),

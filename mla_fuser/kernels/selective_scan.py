@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .dispatch import SUM_COMBINE, LazyJit, kernel_op, next_pow2, tl, triton, triton_interpreting, use_triton
+from .dispatch import SUM_COMBINE, LazyJit, cdiv, kernel_op, next_pow2, tl, triton, triton_interpreting, use_triton
 
 __all__ = [
     "selective_scan",
@@ -375,7 +375,7 @@ def _scan_launch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, seq_idx, r
     dummy = u
     seq_t = seq_idx if seq_idx is not None else u
     z_t = z if z is not None else u
-    grid = (triton.cdiv(dim, block_i), bsz)
+    grid = (cdiv(dim, block_i), bsz)
     _selective_scan_fwd_kernel[grid](
         u, delta, A, B4, C4, D if D is not None else dummy, z_t,
         delta_bias if delta_bias is not None else dummy, seq_t, out, last,
@@ -419,7 +419,7 @@ def _update_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
     z_t = z4 if z4 is not None else x4
     D_t = D4 if D4 is not None else s4[0, :, :, 0]
     b_t = bias4 if bias4 is not None else s4[0, :, :, 0]
-    grid = (triton.cdiv(hdim, block_p), heads, bsz)
+    grid = (cdiv(hdim, block_p), heads, bsz)
     _state_update_kernel[grid](
         s4, x4, dt4, A4, B4, C4, D_t, z_t, b_t, y,
         hdim, dstate, heads // groups,

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .dispatch import SUM_COMBINE, LazyJit, kernel_op, next_pow2, tl, triton, triton_interpreting, use_triton
+from .dispatch import SUM_COMBINE, LazyJit, cdiv, kernel_op, next_pow2, tl, triton_interpreting, use_triton
 from .selective_scan import selective_state_update, selective_state_update_ref
 
 __all__ = [
@@ -332,7 +332,7 @@ def _ssd_launch(x, dt, A, B, C, D, z, dt_bias, dt_softplus, initial_states, seq_
     seq_t = seq_idx if seq_idx is not None else dt[:, :, 0]
     dtb_t = dt_bias if dt_bias is not None else A
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    grid = (triton.cdiv(hdim, block_p), heads, bsz)
+    grid = (cdiv(hdim, block_p), heads, bsz)
     _ssd_chunk_scan_fwd_kernel[grid](
         x, dt, A, B, C, D_t, z_t, dtb_t, init_t, seq_t, out, final,
         seqlen, hdim, dstate, heads // groups, float(dt_min), float(dt_max),
