@@ -83,17 +83,24 @@ def test_chunked_prefill_beside_decodes_equals_native(monkeypatch):
 
 
 @needs_cb
-def test_a_pool_smaller_than_the_workload_queues_requests_and_all_finish():
+@pytest.mark.parametrize("path", ["host", "device in pages"])
+def test_a_pool_smaller_than_the_workload_queues_requests_and_all_finish(request, path):
     """4 blocks of 16 tokens per layer; 8 requests of up to 40 tokens each fit alone, several times the pool
-    together: the scheduler queues them, none fails, every answer equals native."""
-    native, fused = _pair()
+    together: the scheduler queues them, none fails, every answer equals native (also on the device path reading
+    the engine's pages in place, whose slots are reused as requests come and go)."""
+    if path != "host":
+        request.getfixturevalue("device_path")
+    native, fused = _pair(kv_lora_rank=32 if path != "host" else 16)
     _check_batch(native, fused, _prompts([30, 12, 25, 40, 8, 33, 20, 16], seed=1), _greedy(8),
                  _cb_config(num_blocks=4, allow_block_sharing=False))
 
 
 @needs_cb
-def test_prefix_sharing_and_forks_give_the_same_tokens():
-    native, fused = _pair()
+@pytest.mark.parametrize("path", ["host", "device in pages"])
+def test_prefix_sharing_and_forks_give_the_same_tokens(request, path):
+    if path != "host":  # shared blocks and forked blocks read in place through the engine's slots
+        request.getfixturevalue("device_path")
+    native, fused = _pair(kv_lora_rank=32 if path != "host" else 16)
     shared = _prompts([40], seed=2)[0]
     prompts = [shared + tail for tail in _prompts([3, 5, 1], seed=3)]
     _check_batch(native, fused, prompts, _greedy(5), _cb_config(allow_block_sharing=True))
