@@ -294,11 +294,11 @@ class PagedLatentLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         batch, _, new, _ = key_states.shape
         if len(self.host_lens) == batch and self.block_table is not None and self._holds(new):
-            target = [n + new for n in self.host_lens]  # a step inside pages already held (most decode steps)
+            target = [self.host_lens[0] + new] * batch  # a step inside pages already held (most decode steps)
         else:
             target = self._prepare(batch, new)
         pages = self.pool.pages
-        kv_c, k_pe = key_states[:, 0], value_states[:, 0]
+        kv_c, k_pe = key_states.select(1, 0), value_states.select(1, 0)
         if (kv_c.dtype != pages.dtype or k_pe.dtype != pages.dtype) and not is_fp8(pages):  # (FP8: quantised)
             kv_c, k_pe = kv_c.to(pages.dtype), k_pe.to(pages.dtype)
         # destinations from the block table and the lengths, in the kernel: one launch, no index arithmetic; on the
@@ -317,11 +317,11 @@ class PagedLatentLayer(CacheLayerMixin):
 
     def _holds(self, new: int) -> bool:
         """Whether every sequence (all of one length) already holds the pages for ``new`` more tokens."""
-        page, first = self.pool.page_size, self.host_lens[0]
-        for n, table in zip(self.host_lens, self.host_tables):
-            if n != first or n + new > len(table) * page:
-                return False
-        return True
+        lens, tables = self.host_lens, self.host_tables
+        first = lens[0]
+        if len(tables) != len(lens) or lens.count(first) != len(lens):  # (C loops: asked at every step of a layer)
+            return False
+        return first + new <= min(map(len, tables)) * self.pool.page_size
 
     def _prepare(self, batch: int, new: int) -> list[int]:
         """The lengths after writing ``new`` tokens, with the pages for them reserved (and the batch set up on a first

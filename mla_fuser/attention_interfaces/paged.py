@@ -30,7 +30,8 @@ def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts=None):
     The pages hold the (replicated) latent on the layer's own device.  ``starts`` (int ``[B]``): left padding,
     tokens before ``starts[b]`` are not attended."""
     nope = m.qk_nope_head_dim
-    q_nope, q_pe = query[:, :, 0, :nope], query[:, :, 0, nope:]  # (slices: Tensor.split costs more host time)
+    q = query.select(2, 0)  # (views by method calls: indexing with slices and Tensor.split cost more host time)
+    q_nope, q_pe = q.narrow(-1, 0, nope), q.narrow(-1, nope, q.shape[-1] - nope)
     # [H, B, nope] x [H, nope, rank] -> [H, B, rank]
     q_lat = torch.bmm(q_nope.transpose(0, 1), _as(w_uk, q_nope.dtype)).transpose(0, 1)
     pages = view.pages

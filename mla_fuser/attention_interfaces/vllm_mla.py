@@ -37,6 +37,8 @@ from ..graph import is_plain_linear
 from .paged import gathered_latent, paged_decode
 from . import ragged
 from ..kernels.dispatch import on_device
+from ..kernels.fp8.format import FP8_DTYPE, SCALE_NAME  # FP8 kv_b_proj (issue 15)
+from ..kernels.fp8.quant import compute_dtype, dequantized_weight
 from ..kernels.mla_attention import masked_softmax, mla_attention
 from ..kernels.mla_decode_split import mla_decode_split_rows
 
@@ -102,9 +104,6 @@ def with_absorbed_weights(kv_b, m, heads: int, fn):
     """``fn(w_uk, w_uv, b_v)`` on the absorbed views of ``kv_b``'s weight (``absorbed_weights``), inside
     ``kv_b_params`` when a hook loads the weight or it is a shard; a plain weight's views are made once and reused
     (an eager decode step spends host time, not compute, on such small ops)."""
-    from ..kernels.fp8.format import FP8_DTYPE, SCALE_NAME  # FP8 kv_b_proj (issue 15)
-    from ..kernels.fp8.quant import compute_dtype, dequantized_weight
-
     plain = None if torch.compiler.is_compiling() else _plain_params(kv_b)
     if plain is None:
         with kv_b_params(kv_b) as (weight, bias):

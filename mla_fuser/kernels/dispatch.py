@@ -23,6 +23,7 @@ import contextlib
 import functools
 
 import torch
+from torch import Tensor
 
 from .. import envs
 
@@ -61,7 +62,7 @@ def requested_backend() -> str | None:
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when the Triton implementation should run for these inputs."""
-    forced = requested_backend()
+    forced = envs.kernel_backend()  # (requested_backend(), one call less: this runs for every op of an eager step)
     if forced == "torch":
         return False
     on_cuda = False
@@ -72,7 +73,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if forced == "triton":
         if not triton_available():
             raise RuntimeError("MLA_FUSER_BACKEND=triton but Triton is not installed")
-        if not on_cuda and not triton_interpreting():
+        if not on_cuda and not envs.triton_interpreting():
             raise RuntimeError(
                 "MLA_FUSER_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)"
             )
@@ -103,7 +104,7 @@ class LazyJit:
     ``monkeypatch.setenv`` inside a test), not before the kernel module — or triton — was imported.  Kernels
     wrapped this way must avoid triton's own ``@jit`` helpers (``tl.sum``, ``tl.zeros``, …), which triton
     decorates when it is imported; they use builtins and ``tl.reduce`` with :data:`SUM_COMBINE` /
-    :data:`MAX_COMBINE`.  Launching (``kernel[grid](...)``) makes the first CUDA tensor's device current
+    :data:`MAX_COMBINE`.  Launching (``kernel[grid](...)``) makes the first tensor argument's device current
     (:func:`on_tensor_device`).
     """
 
@@ -114,7 +115,7 @@ class LazyJit:
         self._by_mode = {}
 
     def get(self):
-        mode = triton_interpreting()
+        mode = envs.triton_interpreting()  # (read at every launch: the mode may change between calls)
         kernel = self._by_mode.get(mode)
         if kernel is None:
             kernel = self._by_mode[mode] = triton.jit(self.fn)
@@ -127,23 +128,35 @@ class LazyJit:
 def on_device(t: torch.Tensor):
     """Make ``t``'s CUDA device current for the launches inside the block (Triton launches on the *current* device,
     and a model split over GPUs with ``device_map`` runs layers on other devices than the current one); no-op off
-    CUDA.  ``on_tensor_device`` does the same for one launcher."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    CUDA.  ``on_tensor_device`` does the same for one launcher.  (Nothing to switch, the usual case, costs no context:
+    entering the current device's would change nothing.)"""
+    if not t.is_cuda:
+        return _NO_SWITCH
+    device = t.device
+    return _NO_SWITCH if device.index == torch.cuda.current_device() else torch.cuda.device(device)
+
+
+_NO_SWITCH = contextlib.nullcontext()  # (stateless: one instance serves every block)
 
 
 def on_tensor_device(launcher):
-    """Wrap a Triton launcher so it runs with its first CUDA tensor argument's device current.
+    """Wrap a Triton launcher so it runs with its first tensor argument's device current.
 
     Triton launches on the *current* device; a model split over GPUs (``device_map``) runs layers whose
-    tensors live elsewhere.  Costs one device query per launch; nothing changes off CUDA.
+    tensors live elsewhere.  A launch's tensors all live on one device (a kernel cannot read another's memory), so
+    the first tensor argument tells it.  Costs one device query per CUDA launch; nothing changes off CUDA.
     """
 
     def launch(*args, **kwargs):
-        device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
-        if device is None or device.index == torch.cuda.current_device():
-            return launcher(*args, **kwargs)
-        with torch.cuda.device(device):
-            return launcher(*args, **kwargs)
+        for a in args:  # (a loop, not next() over a generator: this runs for every launch of an eager step)
+            if isinstance(a, Tensor):
+                if a.is_cuda:
+                    device = a.device
+                    if device.index != torch.cuda.current_device():
+                        with torch.cuda.device(device):
+                            return launcher(*args, **kwargs)
+                break
+        return launcher(*args, **kwargs)
 
     return launch
 

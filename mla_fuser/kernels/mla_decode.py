@@ -484,15 +484,40 @@ def choose_num_splits(
 LAST_LAUNCH: dict = {}
 
 
+@functools.lru_cache(maxsize=4096)  # pure function of ints, a dtype and a frozen config, asked on every eager call
+def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_splits, dev):
+    """What one launch shape needs, computed once: ``(cfg, block_h, block_n, per_row, block_v, block_r, head_tiles,
+    num_splits, block_s, block_vc)``; ``cfg`` is ``config`` or the default for ``(H, dtype)``, ``dev`` the CUDA device
+    index whose SM count sizes the split search (None off CUDA or when ``num_splits`` is given)."""
+    cfg = config or default_config(H, dtype)
+    block_h = max(16, next_pow2(cfg.block_h))
+    block_h = min(block_h, max(16, next_pow2(H)))
+    block_n, per_row = _tile_n(cfg.block_n, page_size)
+    block_v = max(16, next_pow2(v_dim))
+    block_r = max(16, next_pow2(rope)) if rope > 0 else 16
+    head_tiles = cdiv(H, block_h)
+    if num_splits is None:
+        num_splits = max(1, choose_num_splits(B, head_tiles, max_pages, page_size, block_n, _num_sms(dev),
+                                              cfg.ctas_per_sm))
+    # the merge (num_splits > 1): up to 128 splits in one load round, v chunks of <= 8K fp32 per program
+    block_s = min(128, next_pow2(num_splits))
+    block_vc = max(16, min(128, block_v, 8192 // block_s))
+    return cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc
+
+
 def _check_inputs(q, kv_pages, block_table, seq_lens, v_dim):
-    if q.dim() != 3 or kv_pages.dim() != 3:
-        raise ValueError(f"q must be [B, H, D] and kv_pages [P, page_size, D]; got {tuple(q.shape)}, {tuple(kv_pages.shape)}")
-    if q.shape[-1] != kv_pages.shape[-1]:
-        raise ValueError(f"q has D={q.shape[-1]} but kv_pages rows are {kv_pages.shape[-1]} wide")
-    if not 0 < v_dim <= q.shape[-1]:
-        raise ValueError(f"v_dim={v_dim} must be in (0, D={q.shape[-1]}]")
-    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
+    """``(q.shape, kv_pages.shape)`` after checking the operands' shapes (each shape read once)."""
+    qs, ks = q.shape, kv_pages.shape
+    if len(qs) != 3 or len(ks) != 3:
+        raise ValueError(f"q must be [B, H, D] and kv_pages [P, page_size, D]; got {tuple(qs)}, {tuple(ks)}")
+    if qs[2] != ks[2]:
+        raise ValueError(f"q has D={qs[2]} but kv_pages rows are {ks[2]} wide")
+    if not 0 < v_dim <= qs[2]:
+        raise ValueError(f"v_dim={v_dim} must be in (0, D={qs[2]}]")
+    bs = block_table.shape
+    if len(bs) != 2 or bs[0] != qs[0] or seq_lens.shape != qs[:1]:
         raise ValueError("block_table must be [B, max_pages] and seq_lens [B]")
+    return qs, ks
 
 
 def mla_decode_triton(
@@ -507,11 +532,9 @@ def mla_decode_triton(
     starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`mla_decode` (no dispatch).  ``config`` overrides the tile knobs."""
-    _check_inputs(q, kv_pages, block_table, seq_lens, v_dim)
-    B, H, D = q.shape
-    page_size = kv_pages.shape[1]
+    (B, H, D), ks = _check_inputs(q, kv_pages, block_table, seq_lens, v_dim)
+    page_size = ks[1]
     rope = D - v_dim
-    cfg = config or default_config(H, q.dtype)
 
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -529,24 +552,20 @@ def mla_decode_triton(
     if kv_pages.dtype != q.dtype:  # converting would silently copy the whole cache every call
         raise ValueError(f"q ({q.dtype}) and kv_pages ({kv_pages.dtype}) must have the same dtype")
 
-    out = torch.empty((B, H, v_dim), device=q.device, dtype=q.dtype)
+    out = q.new_empty((B, H, v_dim))
     if B == 0 or H == 0:
         return out
     max_pages = block_table.shape[1]
 
-    block_h = max(16, next_pow2(cfg.block_h))
-    block_h = min(block_h, max(16, next_pow2(H)))
-    block_n, per_row = _tile_n(cfg.block_n, page_size)
-    block_v = max(16, next_pow2(v_dim))
-    block_r = max(16, next_pow2(rope)) if rope > 0 else 16
-    head_tiles = cdiv(H, block_h)
-
-    if num_splits is None:
-        dev = q.device.index if q.is_cuda else None
-        if q.is_cuda and dev is None:
+    dev = None
+    if num_splits is not None:
+        num_splits = max(1, int(num_splits))
+    elif q.is_cuda:
+        dev = q.device.index
+        if dev is None:
             dev = torch.cuda.current_device()
-        num_splits = choose_num_splits(B, head_tiles, max_pages, page_size, block_n, _num_sms(dev), cfg.ctas_per_sm)
-    num_splits = max(1, int(num_splits))
+    cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc = _launch_plan(
+        B, H, v_dim, rope, page_size, max_pages, q.dtype, config, num_splits, dev)
     direct = num_splits == 1
 
     if direct:
@@ -554,17 +573,18 @@ def mla_decode_triton(
         sp = (0, 0, 0)
         sl = (0, 0)
     else:
-        o_part = torch.empty((B, H, num_splits, v_dim), device=q.device, dtype=torch.float32)
-        lse = torch.empty((B, H, num_splits), device=q.device, dtype=torch.float32)
+        o_part = q.new_empty((B, H, num_splits, v_dim), dtype=torch.float32)
+        lse = q.new_empty((B, H, num_splits), dtype=torch.float32)
         sp = o_part.stride()[:3]
         sl = lse.stride()[:2]
 
     # Triton 3.9's interpreter computes bf16 tl.dot wrongly (garbage magnitudes), so under the
     # interpreter bf16 operands are upcast to fp32 after loading (p still rounded to bf16 first).
     # Compiled kernels never take this path.
-    dot_upcast = triton_interpreting() and q.dtype == torch.bfloat16
+    dot_upcast = q.dtype == torch.bfloat16 and triton_interpreting()
     dot_precision = "ieee" if (q.dtype == torch.float32 or dot_upcast) else "tf32"
     grid = (head_tiles, num_splits, B)
+    q_st, kv_st, out_st = q.stride(), kv_pages.stride(), out.stride()  # (one call each: per eager call)
     k1 = _mla_decode_stage1[grid](
         q,
         kv_pages,
@@ -579,15 +599,15 @@ def mla_decode_triton(
         v_dim,
         rope,
         num_splits,
-        q.stride(0),
-        q.stride(1),
-        kv_pages.stride(0),
-        kv_pages.stride(1),
+        q_st[0],
+        q_st[1],
+        kv_st[0],
+        kv_st[1],
         block_table.stride(0),
         *sp,
         *sl,
-        out.stride(0),
-        out.stride(1),
+        out_st[0],
+        out_st[1],
         PAGE_SIZE=page_size,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
@@ -609,9 +629,7 @@ def mla_decode_triton(
     LAST_LAUNCH.update(stage1=k1, num_splits=num_splits, block_h=block_h, block_n=block_n, per_row_pages=per_row)
     if not direct:
         # Up to 128 splits merged in one load round; the v chunk shrinks as splits grow so a
-        # program's tile stays <= 8K fp32 (64 registers/thread at 4 warps).
-        block_s = min(128, next_pow2(num_splits))
-        block_vc = max(16, min(128, block_v, 8192 // block_s))
+        # program's tile stays <= 8K fp32 (64 registers/thread at 4 warps): ``_launch_plan``.
         grid2 = (cdiv(v_dim, block_vc), H, B)
         _mla_decode_stage2[grid2](
             o_part,
@@ -621,8 +639,8 @@ def mla_decode_triton(
             num_splits,
             *sp,
             *sl,
-            out.stride(0),
-            out.stride(1),
+            out_st[0],
+            out_st[1],
             BLOCK_S=block_s,
             BLOCK_VC=block_vc,
             num_warps=4,

@@ -16,6 +16,8 @@ write in order with the attention that reads it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .dispatch import LazyJit, kernel_op, next_pow2, tl, use_triton
@@ -234,14 +236,21 @@ def paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
         k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
     else:
         k_pe = kv_c  # unused pointer
+    kv_stride, c_stride, pe_stride = kv_pages.stride(), kv_c.stride(), k_pe.stride()  # (one call each)
+    block_v, block_r, warps = _append_tiles(v_dim, rope)
     _paged_append_kernel[(batch * new,)](
         kv_pages, block_table, seq_lens, kv_c, k_pe, new, v_dim, rope,
-        kv_pages.stride(0), kv_pages.stride(1), block_table.stride(0),
-        kv_c.stride(0), kv_c.stride(1), k_pe.stride(0), k_pe.stride(1),
-        PAGE_SIZE=kv_pages.shape[1], BLOCK_V=next_pow2(v_dim),
-        BLOCK_R=next_pow2(max(rope, 1)), HAS_ROPE=rope > 0,
-        num_warps=4 if v_dim + rope >= 256 else 1,
+        kv_stride[0], kv_stride[1], block_table.stride(0),
+        c_stride[0], c_stride[1], pe_stride[0], pe_stride[1],
+        PAGE_SIZE=kv_pages.shape[1], BLOCK_V=block_v,
+        BLOCK_R=block_r, HAS_ROPE=rope > 0,
+        num_warps=warps,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)  # (asked at every append: a few ints per row width)
+def _append_tiles(v_dim: int, rope: int) -> tuple[int, int, int]:
+    return next_pow2(v_dim), next_pow2(max(rope, 1)), 4 if v_dim + rope >= 256 else 1
 
 
 @kernel_op("paged_append", mutates_args=("kv_pages",))

@@ -32,6 +32,8 @@ backward: while autograd records (an input or the weight requires grad), the tor
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .dispatch import SUM_COMBINE, LazyJit, kernel_op, next_pow2, tl, use_triton
@@ -102,15 +104,22 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_of
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     weight = weight.contiguous()
-    out = torch.empty(rows.shape, dtype=output_dtype(x, weight, weight_in_fp32), device=x.device)
-    if rows.shape[0] and width:
-        block = next_pow2(width)
-        _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, rows.stride(0), out.stride(0), width, float(eps), float(weight_offset),
+    out = rows.new_empty(rows.shape, dtype=output_dtype(x, weight, weight_in_fp32))
+    n_rows = rows.shape[0]
+    if n_rows and width:
+        block, warps = _row_tiles(width)
+        _rms_norm_kernel[(n_rows,)](
+            rows, weight, out, rows.stride(0), width, width, float(eps), float(weight_offset),
             BLOCK=block, WEIGHT_IN_FP32=bool(weight_in_fp32), HAS_OFFSET=bool(weight_offset),
-            num_warps=_num_warps(block),
+            num_warps=warps,
         )
     return out.view(x.shape)
+
+
+@functools.lru_cache(maxsize=256)  # (asked at every call)
+def _row_tiles(width: int) -> tuple[int, int]:
+    block = next_pow2(width)
+    return block, _num_warps(block)
 
 
 def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float,

@@ -186,13 +186,23 @@ def _defers_to_grouped_mm(experts: nn.Module, hidden: torch.Tensor) -> bool:
             and requested_backend() is None and _previous_name(experts) == "grouped_mm")
 
 
-def _kernel_supports(experts: nn.Module, hidden: torch.Tensor, weights: torch.Tensor) -> bool:
-    gate_up = getattr(experts, "gate_up_proj", None)
+_DEFAULT_GATE = []  # Transformers' default gate function, looked up once (asked at every experts call)
+
+
+def _default_gate():
+    if not _DEFAULT_GATE:
+        _DEFAULT_GATE.append(compat.default_apply_gate())
+    return _DEFAULT_GATE[0]
+
+
+def _kernel_supports(experts: nn.Module, hidden: torch.Tensor, weights: torch.Tensor, gate_up=None) -> bool:
+    if gate_up is None:
+        gate_up = getattr(experts, "gate_up_proj", None)
     if not isinstance(gate_up, torch.Tensor) or gate_up.dtype not in KERNEL_DTYPES or gate_up.is_meta:
         return False
     if hidden.dtype not in KERNEL_DTYPES or hidden.device != gate_up.device:
         return False
-    default_gate = compat.default_apply_gate()
+    default_gate = _default_gate()
     if (getattr(experts, "has_gate", True) is not True or getattr(experts, "has_post_expert_norm", False)
             or getattr(experts, "_is_expert_parallel", False) or getattr(experts, "is_concatenated", True) is False
             or getattr(type(experts), "_apply_gate", default_gate) is not default_gate):
@@ -214,18 +224,19 @@ def mla_fuser_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     """
     from ...kernels.fused_moe import fused_experts
 
-    if _is_fp8(self):
+    gate_up = getattr(self, "gate_up_proj", None)  # (read once: each module attribute lookup is host time)
+    if isinstance(gate_up, torch.Tensor) and gate_up.dtype == FP8_DTYPE:  # (_is_fp8)
         return _fp8_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    if not _kernel_supports(self, hidden_states, top_k_weights) or _defers_to_grouped_mm(self, hidden_states):
+    if not _kernel_supports(self, hidden_states, top_k_weights, gate_up) or _defers_to_grouped_mm(self, hidden_states):
         return _previous_implementation(self)(self, hidden_states, top_k_index, top_k_weights)
-    gate_up, down = self.gate_up_proj, self.down_proj
+    down = self.down_proj
     if getattr(self, "is_transposed", False):
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     bias = getattr(self, "has_bias", False)
     return fused_experts(
         hidden_states, gate_up, down, top_k_index, top_k_weights,
         gate_up_bias=self.gate_up_proj_bias if bias else None, down_bias=self.down_proj_bias if bias else None,
-        activation=_experts_activation(self),
+        activation=self.__dict__[_ACTIVATION_ATTR][1],  # (what _kernel_supports just remembered)
     )
 
 

@@ -114,6 +114,8 @@ def launch_gemm(
         grid = (num_m_blocks * cdiv(n_out, block_n),)
     kernel = moe_gemm_kernel.get()
     launch = functools.partial(kernel.warmup, grid=grid) if warmup else on_tensor_device(kernel[grid])
+    a_s, w_s, c_s = a.stride(), w.stride(), c.stride()  # (one call each: this runs for every GEMM of an eager step)
+    b_s = bias.stride() if bias is not None else (0, 0)
     launch(
         a,
         w,
@@ -128,15 +130,15 @@ def launch_gemm(
         n_out,
         k_dim,
         num_m_blocks,
-        a.stride(0),
-        a.stride(1),
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
-        bias.stride(0) if bias is not None else 0,
-        bias.stride(1) if bias is not None else 0,
-        c.stride(0),
-        c.stride(1),
+        a_s[0],
+        a_s[1],
+        w_s[0],
+        w_s[1],
+        w_s[2],
+        b_s[0],
+        b_s[1],
+        c_s[0],
+        c_s[1],
         A_ROW_DIV=a_row_div,
         ALIGNED=align is not None,
         GATED=gated,
@@ -146,7 +148,7 @@ def launch_gemm(
         ACT=act,
         IEEE=w.dtype == torch.float32,
         UPCAST=w.dtype == torch.bfloat16 and not w.is_cuda and triton_interpreting(),
-        SCAN_P=cfg.get("SCAN_P", min(512, max(16, next_pow2(num_pairs)))),
+        SCAN_P=cfg["SCAN_P"] if "SCAN_P" in cfg else _scan_p(num_pairs),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=cfg["BLOCK_K"],
@@ -154,6 +156,17 @@ def launch_gemm(
         num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 3),
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _combine_tiles(hidden_size: int) -> tuple[int, int]:
+    block_h = min(1024, max(16, next_pow2(hidden_size)))
+    return block_h, cdiv(hidden_size, block_h)
+
+
+@functools.lru_cache(maxsize=1024)
+def _scan_p(num_pairs: int) -> int:
+    return min(512, max(16, next_pow2(num_pairs)))
 
 
 def launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk, num_experts, cfg, warmup=False):
@@ -172,6 +185,18 @@ def launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk,
         TOPK=topk, HAS_BIAS=has_bias, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def _tiles(path: str, num_tokens: int, topk: int, num_experts: int, tuned_file) -> dict:
+    """``get_moe_config`` for one shape, asked once: keyed by the tuned file the variable names at the call (read
+    per call; a file is parsed once), so a changed ``MLA_FUSER_MOE_CONFIGS`` is still honoured.  Read only."""
+    return get_moe_config(path, num_tokens, topk, num_experts)
+
+
+@functools.lru_cache(maxsize=256)
+def _default_gemv(num_tokens: int, topk: int, num_experts: int) -> dict:
+    return default_config("small", num_tokens, topk, num_experts)["gemv2"]
 
 
 def _choose_path(path: str, num_tokens: int, num_pairs: int) -> str:
@@ -214,7 +239,7 @@ def fused_experts_triton(
     if num_pairs == 0:
         return out.zero_()
     path = _choose_path(path, num_tokens, num_pairs)
-    cfg = config if config is not None else get_moe_config(path, num_tokens, topk, num_experts)
+    cfg = config if config is not None else _tiles(path, num_tokens, topk, num_experts, envs.moe_configs_path())
     wdtype = gate_up_w.dtype
     x = hidden if hidden.dtype == wdtype else hidden.to(wdtype)
     flat_ids = topk_ids.reshape(-1)
@@ -238,7 +263,7 @@ def fused_experts_triton(
         interleaved=interleaved, act=act, cfg=cfg["gemm1"], num_experts=num_experts,
     )  # fmt: skip
     if path == "small" and num_tokens <= gemv_down_max_tokens():
-        gv = cfg.get("gemv2") or default_config("small", num_tokens, topk, num_experts)["gemv2"]
+        gv = cfg.get("gemv2") or _default_gemv(num_tokens, topk, num_experts)
         launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk, num_experts, gv)
         return out
     pair_out = torch.empty(num_pairs, hidden_size, dtype=wdtype, device=hidden.device)
@@ -247,8 +272,8 @@ def fused_experts_triton(
         num_pairs=num_pairs, n_out=hidden_size, k_dim=inter, a_row_div=1, gated=False,
         interleaved=False, act=act, cfg=cfg["gemm2"], num_experts=num_experts,
     )  # fmt: skip
-    block_h = min(1024, max(16, next_pow2(hidden_size)))
-    moe_combine_kernel[(num_tokens, cdiv(hidden_size, block_h))](
+    block_h, h_tiles = _combine_tiles(hidden_size)
+    moe_combine_kernel[(num_tokens, h_tiles)](
         pair_out,
         flat_ids,
         out,
