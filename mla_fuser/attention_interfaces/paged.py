@@ -29,17 +29,26 @@ def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts=None):
     the heads of ``query`` (``vllm_mla.absorbed_weights``): all heads, or this rank's under tensor parallelism.
     The pages hold the (replicated) latent on the layer's own device.  ``starts`` (int ``[B]``): left padding,
     tokens before ``starts[b]`` are not attended."""
+    pages = view.pages
+    fp8 = is_fp8(pages)  # an FP8 cache: q stays in the latent's dtype, the kernel converts the e4m3 rows to it
+    kernel = mla_decode_fp8 if fp8 else mla_decode
+    return absorbed_decode(
+        query, w_uk, w_uv, b_v, m, view.new_kv_c.dtype if fp8 else pages.dtype,
+        lambda q_abs: kernel(q_abs, pages, view.block_table, view.seq_lens, scaling, m.kv_lora_rank, starts=starts))
+
+
+def absorbed_decode(query, w_uk, w_uv, b_v, m, q_dtype, attend):
+    """``query`` [B, H, 1, nope+rope] → ``[B, 1, H, v]``: the query absorbed into the latent (``[q_nope @ W_UK |
+    q_pe]`` in ``q_dtype``), ``attend(q_abs [B, H, rank + rope]) -> [B, H, rank]`` (a decode kernel over the latent,
+    wherever it is kept), then ``W_UV`` and the value bias."""
     nope = m.qk_nope_head_dim
     q = query.select(2, 0)  # (views by method calls: indexing with slices and Tensor.split cost more host time)
     q_nope, q_pe = q.narrow(-1, 0, nope), q.narrow(-1, nope, q.shape[-1] - nope)
     # [H, B, nope] x [H, nope, rank] -> [H, B, rank]
     q_lat = torch.bmm(q_nope.transpose(0, 1), _as(w_uk, q_nope.dtype)).transpose(0, 1)
-    pages = view.pages
-    fp8 = is_fp8(pages)  # an FP8 cache: q stays in the latent's dtype, the kernel converts the e4m3 rows to it
-    q_abs = _as(torch.cat([q_lat, q_pe], dim=-1), view.new_kv_c.dtype if fp8 else pages.dtype).contiguous()
+    q_abs = _as(torch.cat([q_lat, q_pe], dim=-1), q_dtype).contiguous()
     with on_device(q_abs):
-        out_lat = (mla_decode_fp8 if fp8 else mla_decode)(q_abs, pages, view.block_table, view.seq_lens, scaling,
-                                                          m.kv_lora_rank, starts=starts)
+        out_lat = attend(q_abs)
     # [H, B, rank] x [H, rank, v] -> [H, B, v]
     out = torch.bmm(_as(out_lat.transpose(0, 1), w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
     if b_v is not None:

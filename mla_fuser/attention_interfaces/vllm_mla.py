@@ -34,9 +34,8 @@ import torch.nn.functional as F
 from ..cache import PAGED_ATTR
 from ..plans import plan_of
 from ..graph import is_plain_linear
-from .paged import gathered_latent, paged_decode
+from .paged import absorbed_decode, gathered_latent, paged_decode
 from . import ragged
-from ..kernels.dispatch import on_device
 from ..kernels.fp8.format import FP8_DTYPE, SCALE_NAME  # FP8 kv_b_proj (issue 15)
 from ..kernels.fp8.quant import compute_dtype, dequantized_weight
 from ..kernels.mla_attention import masked_softmax, mla_attention
@@ -421,17 +420,8 @@ def _ragged(module, query, kv_c, k_pe, scaling, dropout, softcap, extra, kwargs,
 def _split_rows_decode(query, rows, ends, starts, scale, w_uk, w_uv, b_v, m):
     """``query [T, H, 1, nope+rope]`` → ``[T, 1, H, v]``: absorbed attention with ``mla_decode_split_rows`` over the
     latent rows ``rows = (k_rows, v_rows, slots)`` kept as K / V half rows in the engine's pages."""
-    nope = m.qk_nope_head_dim
-    q_nope, q_pe = query[:, :, 0, :nope], query[:, :, 0, nope:]
-    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [T, H, rank]
-    k_rows, v_rows, slots = rows.k_rows, rows.v_rows, rows.slots
-    q_abs = torch.cat([q_lat, q_pe], dim=-1).to(k_rows.dtype)
-    with on_device(q_abs):
-        out_lat = mla_decode_split_rows(q_abs, k_rows, v_rows, slots, ends, starts, scale, m.kv_lora_rank)
-    out = torch.bmm(out_lat.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
-    if b_v is not None:
-        out = out + b_v
-    return out.unsqueeze(1).to(query.dtype)
+    return absorbed_decode(query, w_uk, w_uv, b_v, m, rows.k_rows.dtype, lambda q_abs: mla_decode_split_rows(
+        q_abs, rows.k_rows, rows.v_rows, rows.slots, ends, starts, scale, m.kv_lora_rank))
 
 
 def _expanded_for_weights(module, query, kv_c, k_pe):
