@@ -487,22 +487,30 @@ LAST_LAUNCH: dict = {}
 @functools.lru_cache(maxsize=4096)  # pure function of ints, a dtype and a frozen config, asked on every eager call
 def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_splits, dev):
     """What one launch shape needs, computed once: ``(cfg, block_h, block_n, per_row, block_v, block_r, head_tiles,
-    num_splits, block_s, block_vc)``; ``cfg`` is ``config`` or the default for ``(H, dtype)``, ``dev`` the CUDA device
-    index whose SM count sizes the split search (None off CUDA or when ``num_splits`` is given)."""
+    num_splits, block_s, block_vc)``; ``cfg`` is ``config`` or the default for ``(H, dtype)``, ``dev`` the CUDA
+    device index whose SM count sizes the split search (None off CUDA or when ``num_splits`` is given)."""
     cfg = config or default_config(H, dtype)
-    block_h = max(16, next_pow2(cfg.block_h))
-    block_h = min(block_h, max(16, next_pow2(H)))
+    block_h = min(max(16, next_pow2(cfg.block_h)), max(16, next_pow2(H)))
     block_n, per_row = _tile_n(cfg.block_n, page_size)
     block_v = max(16, next_pow2(v_dim))
     block_r = max(16, next_pow2(rope)) if rope > 0 else 16
     head_tiles = cdiv(H, block_h)
     if num_splits is None:
-        num_splits = max(1, choose_num_splits(B, head_tiles, max_pages, page_size, block_n, _num_sms(dev),
-                                              cfg.ctas_per_sm))
+        num_splits = choose_num_splits(B, head_tiles, max_pages, page_size, block_n, _num_sms(dev), cfg.ctas_per_sm)
+    num_splits = max(1, int(num_splits))
     # the merge (num_splits > 1): up to 128 splits in one load round, v chunks of <= 8K fp32 per program
     block_s = min(128, next_pow2(num_splits))
     block_vc = max(16, min(128, block_v, 8192 // block_s))
     return cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc
+
+
+def launch_plan(q, v_dim, page_size, max_pages, config, num_splits):
+    """:func:`_launch_plan` for the absorbed query ``q [B, H, D]`` (every latent decode launcher plans here)."""
+    dev = None  # the device whose SM count sizes the split search (when it is not given)
+    if num_splits is None and q.is_cuda:
+        dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    B, H, D = q.shape
+    return _launch_plan(B, H, v_dim, D - v_dim, page_size, max_pages, q.dtype, config, num_splits, dev)
 
 
 def _check_inputs(q, kv_pages, block_table, seq_lens, v_dim):
@@ -557,15 +565,8 @@ def mla_decode_triton(
         return out
     max_pages = block_table.shape[1]
 
-    dev = None
-    if num_splits is not None:
-        num_splits = max(1, int(num_splits))
-    elif q.is_cuda:
-        dev = q.device.index
-        if dev is None:
-            dev = torch.cuda.current_device()
-    cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc = _launch_plan(
-        B, H, v_dim, rope, page_size, max_pages, q.dtype, config, num_splits, dev)
+    cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc = launch_plan(
+        q, v_dim, page_size, max_pages, config, num_splits)
     direct = num_splits == 1
 
     if direct:

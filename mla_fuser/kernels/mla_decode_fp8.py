@@ -24,11 +24,10 @@ from __future__ import annotations
 import torch
 
 from .dispatch import (
-    MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, kernel_op, next_pow2, tl, triton_interpreting, use_triton,
+    MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, kernel_op, tl, triton_interpreting, use_triton,
 )
 from .latent_fp8 import FP8_DTYPE, dequantise_rows, packed_width, scale_column
-from .mla_decode import (_LOG2E, LAST_LAUNCH, MLADecodeConfig, _mla_decode_stage2, _num_sms, _tile_n,
-                         choose_num_splits, default_config, mla_decode_ref)
+from .mla_decode import _LOG2E, LAST_LAUNCH, MLADecodeConfig, _mla_decode_stage2, launch_plan, mla_decode_ref
 from .paged_cpu import mla_decode_cpu
 
 __all__ = ["mla_decode_fp8", "mla_decode_fp8_ref", "mla_decode_fp8_triton"]
@@ -183,7 +182,6 @@ def mla_decode_fp8_triton(q, kv_pages, block_table, seq_lens, scale, v_dim, num_
     B, H, D = q.shape
     page_size = kv_pages.shape[1]
     rope = D - v_dim
-    cfg = config or default_config(H, q.dtype)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if kv_pages.stride(-1) != 1 or kv_pages.stride(0) % 4 or kv_pages.stride(1) % 4:
         raise ValueError("FP8 cache rows must be unit-stride and 4-byte aligned")
@@ -197,16 +195,8 @@ def mla_decode_fp8_triton(q, kv_pages, block_table, seq_lens, scale, v_dim, num_
     out = torch.empty((B, H, v_dim), device=q.device, dtype=q.dtype)
     if B == 0 or H == 0:
         return out
-    max_pages = block_table.shape[1]
-    block_h = min(max(16, next_pow2(cfg.block_h)), max(16, next_pow2(H)))
-    block_n, per_row = _tile_n(cfg.block_n, page_size)
-    block_v = max(16, next_pow2(v_dim))
-    block_r = max(16, next_pow2(rope)) if rope > 0 else 16
-    head_tiles = cdiv(H, block_h)
-    if num_splits is None:
-        dev = (q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else None
-        num_splits = choose_num_splits(B, head_tiles, max_pages, page_size, block_n, _num_sms(dev), cfg.ctas_per_sm)
-    num_splits = max(1, int(num_splits))
+    cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc = launch_plan(
+        q, v_dim, page_size, block_table.shape[1], config, num_splits)
     direct = num_splits == 1
     if direct:
         o_part = lse = out
@@ -232,8 +222,6 @@ def mla_decode_fp8_triton(q, kv_pages, block_table, seq_lens, scale, v_dim, num_
     LAST_LAUNCH.clear()
     LAST_LAUNCH.update(stage1=k1, num_splits=num_splits, block_h=block_h, block_n=block_n, per_row_pages=per_row)
     if not direct:
-        block_s = min(128, next_pow2(num_splits))
-        block_vc = max(16, min(128, block_v, 8192 // block_s))
         _mla_decode_stage2[(cdiv(v_dim, block_vc), H, B)](
             o_part, lse, out, v_dim, num_splits, *sp, *sl, out.stride(0), out.stride(1),
             BLOCK_S=block_s, BLOCK_VC=block_vc, num_warps=4,

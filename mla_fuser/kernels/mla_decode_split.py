@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, next_pow2, tl, triton_interpreting, use_triton
-from .mla_decode import _LOG2E, _mla_decode_stage2, _num_sms, choose_num_splits, default_config, mla_decode_ref
+from .mla_decode import _LOG2E, _mla_decode_stage2, _tile_n, default_config, launch_plan, mla_decode_ref
 
 __all__ = ["split_rows_supported", "mla_decode_split_rows", "mla_decode_split_rows_ref", "join_split_rows"]
 
@@ -142,21 +142,14 @@ def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, sca
     if (v_rows.data_ptr() - k_rows.data_ptr()) % k_rows.element_size() or v_rows.stride() != k_rows.stride():
         raise ValueError("mla_decode_split_rows: the V half rows must lie at a whole-element offset from the K half "
                          "rows, with the same strides")
-    cfg = default_config(H, q.dtype)
-    block_h = min(max(16, next_pow2(cfg.block_h)), max(16, next_pow2(H)))
-    block_n = max(16, next_pow2(cfg.block_n))
-    head_tiles = cdiv(H, block_h)
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty((B, H, rank), device=q.device, dtype=q.dtype)
     if B == 0 or H == 0:
         return out
-    if num_splits is None:
-        dev = q.device.index if q.is_cuda else None
-        if q.is_cuda and dev is None:
-            dev = torch.cuda.current_device()
-        max_tiles = cdiv(max(1, slots.shape[-1]), block_n)
-        num_splits = choose_num_splits(B, head_tiles, max_tiles, block_n, block_n, _num_sms(dev), cfg.ctas_per_sm)
-    num_splits = max(1, int(num_splits))
+    # tiles and splits as mla_decode plans them, the slot list read as pages of one tile each
+    block_n = _tile_n(default_config(H, q.dtype).block_n, 1)[0]
+    cfg, block_h, block_n, _, _, _, head_tiles, num_splits, block_s, block_vc = launch_plan(
+        q, rank, block_n, cdiv(max(1, slots.shape[-1]), block_n), None, num_splits)
     direct = num_splits == 1
     if direct:
         o_part = lse = out
@@ -176,8 +169,6 @@ def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, sca
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
-        block_s = min(128, next_pow2(num_splits))
-        block_vc = max(16, min(128, next_pow2(rank), 8192 // block_s))
         _mla_decode_stage2[(cdiv(rank, block_vc), H, B)](
             o_part, lse, out, rank, num_splits, *sp, *sl, out.stride(0), out.stride(1),
             BLOCK_S=block_s, BLOCK_VC=block_vc, num_warps=4,
