@@ -172,6 +172,13 @@ def latent_cache_class():
                     row[:, width:] = 0
             return row[None, None, :, :half], row[None, None, :, half:]
 
+        def _write_only(self, k_half, v_half, layer_idx, kwargs):
+            """The engine's update with nothing to read back (its read indices emptied): the rows are written, and
+            ``kwargs`` gets this layer's key bounds as the engine's update narrows them."""
+            written = dict(kwargs, read_index=[i[:0] for i in kwargs["read_index"]])
+            super().update(k_half, v_half, layer_idx, written)
+            kwargs["cu_seq_lens_k"], kwargs["max_length_k"] = written["cu_seq_lens_k"], written["max_length_k"]
+
         def _written_in_place(self, key_states, value_states, layer_idx, kwargs):
             """Write the step's rows and return the new tokens' latent tagged with where every context's rows lie
             (``ragged.PagesRows``: the split-row kernel reads them in place, nothing is read back here); None where
@@ -182,10 +189,7 @@ def latent_cache_class():
             if views is None:
                 return None
             read_index = kwargs["read_index"]
-            written = dict(kwargs, read_index=[i[:0] for i in read_index])  # the engine's update only writes
-            k_new, v_new = self._half_rows(key_states, value_states)
-            super().update(k_new, v_new, layer_idx, written)
-            kwargs["cu_seq_lens_k"], kwargs["max_length_k"] = written["cu_seq_lens_k"], written["max_length_k"]
+            self._write_only(*self._half_rows(key_states, value_states), layer_idx, kwargs)
             index = read_index[allocator.index]
             # nothing cached is read (fresh prompts only): the context is the step's own rows, where they were written
             slots = index if index.numel() else kwargs["write_index"][allocator.index]
@@ -220,9 +224,7 @@ def latent_cache_class():
                           torch.cat([k_half, v_half], dim=-1))
                 return latent[None, None, :, :rank], latent[None, None, :, rank:width]
             read_index = kwargs["read_index"]
-            written = dict(kwargs, read_index=[i[:0] for i in read_index])  # the engine's update only writes
-            super().update(k_new, v_new, layer_idx, written)
-            kwargs["cu_seq_lens_k"], kwargs["max_length_k"] = written["cu_seq_lens_k"], written["max_length_k"]
+            self._write_only(k_new, v_new, layer_idx, kwargs)
             index = read_index[allocator.index]
             if index.numel() == 0:  # nothing cached is read (fresh prompts only): the new rows are the context
                 return key_states, value_states
