@@ -164,25 +164,13 @@ def _decode_indices(decodes, q_bounds, k_bounds, device):
 def _decode_kernel(decode, query, kv_c, k_pe, decodes, q_bounds, k_bounds) -> torch.Tensor:
     """``[D, 1, H, v]`` through ``decode``: the step's latent rows ``[Tk, 1, rank + rope]`` are the pages (one token
     each) and each request's block table lists its own rows, so the kernel reads every context once, in place."""
-    rows = _latent_rows(kv_c, k_pe)
+    rows = latent_pages(kv_c, k_pe).flatten(0, 1).unsqueeze(1)  # [>= Tk, 1, rank + rope]: pages of one row
     index, allowed, positions = _memo(("decode", id(q_bounds), id(k_bounds), query.device),
                                       lambda: _decode_indices(decodes, q_bounds, k_bounds, query.device))
     table, lens = _memo(("table", id(q_bounds), id(k_bounds), query.device),
                         lambda: (index.to(torch.int32), allowed.view(len(decodes), -1).sum(-1).to(torch.int32)))
     queries = query[0, :, positions].transpose(0, 1).unsqueeze(2)  # [D, H, 1, qk]
     return decode(queries, rows, table, lens)
-
-
-def _latent_rows(kv_c, k_pe) -> torch.Tensor:
-    """``[Tk, 1, rank + rope]``: the latent rows ``[kv_c | k_pe]`` of the step, the tensor both are views of when
-    they are (as the latent pages' ``update`` returns them), else joined."""
-    c, p = kv_c[0, 0], k_pe[0, 0]
-    base = c._base if c._base is not None else None
-    if (base is not None and p._base is base and c.stride() == p.stride() and c.stride(-1) == 1
-            and p.data_ptr() == c.data_ptr() + c.shape[-1] * c.element_size()
-            and c.stride(0) == c.shape[-1] + p.shape[-1]):
-        return c.as_strided((c.shape[0], 1, c.stride(0)), (c.stride(0), c.stride(0), 1))
-    return torch.cat([c, p.to(c.dtype)], dim=-1).unsqueeze(1)
 
 
 # --------------------------------------------------------------------------------------------------------------------
