@@ -54,3 +54,21 @@ needs_mamba_fusion = pytest.mark.skipif(
     bool(_mamba_fusion_missing()),
     reason=f"the installed Transformers' Cache lacks {_mamba_fusion_missing()}: Mamba fusion needs >=5.21",
 )
+
+
+@torch.no_grad()
+def divergence_gaps(native, fused_out, mask, prompt_len, first, native_tokens):
+    """For each row where the paths split, native's preference for its own token over fused's, relative to the
+    logits' scale, read from native's logits teacher-forced on the fused sequence (the prefix is common up to
+    the split).  Random-weight bf16 logits have near-ties; a split at a tie (gap within bf16 rounding, the same
+    3e-2 bound as the decode logits) is rounding, a split at a clear preference would be a wrong value."""
+    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], fused_out.shape[1] - prompt_len)], dim=1)
+    logits = native(input_ids=fused_out, attention_mask=full_mask, use_cache=False).logits.float()
+    gaps = []
+    for row, t in enumerate(first):
+        if t >= native_tokens.shape[1]:
+            continue
+        scores = logits[row, prompt_len + t - 1]
+        gap = scores[native_tokens[row, t]] - scores[fused_out[row, prompt_len + t]]
+        gaps.append(max(0.0, (gap / scores.abs().max()).item()))
+    return gaps

@@ -21,7 +21,7 @@ from mla_fuser.cache import PagedLatentCache  # noqa: E402
 from mla_fuser.plans import model_state  # noqa: E402
 from mla_fuser.presets import preset_config  # noqa: E402
 
-from conftest import left_padded_prompts, needs_mamba_fusion  # noqa: E402
+from conftest import divergence_gaps, left_padded_prompts, needs_mamba_fusion  # noqa: E402
 
 RESULTS = {}
 
@@ -115,27 +115,9 @@ def test_generation_agreement_bf16(models, mode):
     RESULTS[f"generation_{mode}_first_divergence"] = first
     RESULTS[f"generation_{mode}_token_agreement"] = float((new_ref == new_out).float().mean())
     if mode != "beam2":  # beam search re-ranks on near-ties of random-weight logits: reported, not asserted
-        gaps = _divergence_gaps(native, out, mask, ids.shape[1], first, new_ref)
+        gaps = divergence_gaps(native, out, mask, ids.shape[1], first, new_ref)
         RESULTS[f"generation_{mode}_divergence_logit_gaps"] = gaps
         assert max(gaps, default=0.0) < 3e-2, f"fused and native split on a clear preference: {gaps}"
-
-
-@torch.no_grad()
-def _divergence_gaps(native, fused_out, mask, prompt_len, first, native_tokens):
-    """For each row where the paths split, native's preference for its own token over fused's, relative to the
-    logits' scale, read from native's logits teacher-forced on the fused sequence (the prefix is common up to
-    the split).  Random-weight bf16 logits have near-ties; a split at a tie (gap within bf16 rounding, the same
-    3e-2 bound as the decode logits) is rounding, a split at a clear preference would be a wrong value."""
-    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], fused_out.shape[1] - prompt_len)], dim=1)
-    logits = native(input_ids=fused_out, attention_mask=full_mask, use_cache=False).logits.float()
-    gaps = []
-    for row, t in enumerate(first):
-        if t >= native_tokens.shape[1]:
-            continue
-        scores = logits[row, prompt_len + t - 1]
-        gap = scores[native_tokens[row, t]] - scores[fused_out[row, prompt_len + t]]
-        gaps.append(max(0.0, (gap / scores.abs().max()).item()))
-    return gaps
 
 
 @torch.no_grad()

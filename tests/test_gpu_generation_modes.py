@@ -26,7 +26,7 @@ from mla_fuser.compat import cache_keyword  # noqa: E402
 from mla_fuser.presets import preset_config  # noqa: E402
 from mla_fuser.runtime.generate import last_generate_plan  # noqa: E402
 
-from conftest import left_padded_prompts  # noqa: E402
+from conftest import divergence_gaps, left_padded_prompts  # noqa: E402
 
 RESULTS = {}
 NEW_TOKENS = 24
@@ -149,22 +149,7 @@ def test_generation_modes_graphed_capture_once_and_agree_with_native(models, mod
     RESULTS[f"{mode}_first_divergence"] = first
     RESULTS[f"{mode}_token_agreement"] = float((new_ref == new_out).float().mean())
     if copies == 1 and not extra.get("do_sample"):  # beams re-rank and samples redraw on near-ties: reported
-        gaps = _divergence_gaps(native, out, mask, ids.shape[1], first, new_ref)
+        gaps = divergence_gaps(native, out, mask, ids.shape[1], first, new_ref)
         RESULTS[f"{mode}_divergence_logit_gaps"] = gaps
         assert max(gaps, default=0.0) < TOLERANCE, f"fused and native split on a clear preference: {gaps}"
 
-
-@torch.no_grad()
-def _divergence_gaps(native, fused_out, mask, prompt_len, first, native_tokens):
-    """As in test_gpu.py: where the paths split, native's preference for its own token over fused's, relative to
-    the logits' scale, from native's logits teacher-forced on the fused sequence (common prefix up to the split)."""
-    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], fused_out.shape[1] - prompt_len)], dim=1)
-    logits = native(input_ids=fused_out, attention_mask=full_mask, use_cache=False).logits.float()
-    gaps = []
-    for row, t in enumerate(first):
-        if t >= native_tokens.shape[1]:
-            continue
-        scores = logits[row, prompt_len + t - 1]
-        gap = scores[native_tokens[row, t]] - scores[fused_out[row, prompt_len + t]]
-        gaps.append(max(0.0, (gap / scores.abs().max()).item()))
-    return gaps
