@@ -107,9 +107,10 @@ def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor"
     return prefill, decode / steps, torch.cat(tokens, dim=1), (prefill_peak, decode_peak)
 
 
-def _generate_run(model, ids, steps, warm_tokens=8):
+def _generate_run(model, ids, steps, warm_tokens=8, cache_dtype=None):
     """Transformers' own ``generate`` (greedy): ms/step from two calls that differ by ``steps`` new tokens, so the
     prefill (and, for a fused model on CUDA, the eager first step and the capture of the graphed decode) cancel.
+    ``cache_dtype``: each call gets its own static ``PagedLatentCache`` of that dtype (the FP8 latent cache).
     Returns (prefill_s, s/step, tokens of the longer call, (None, decode peak bytes over weights))."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -124,10 +125,17 @@ def _generate_run(model, ids, steps, warm_tokens=8):
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, logits_processor=LogitsProcessorList([Stamp()]))
 
     def timed(n):
+        extra = {}
+        if cache_dtype is not None:
+            from .cache import PagedLatentCache
+            from .compat import cache_keyword
+
+            extra[cache_keyword(model)] = PagedLatentCache.static_for(model, ids.shape[0], ids.shape[1] + n + 1,
+                                                                      dtype=cache_dtype)
         stamps.clear()
         _sync(device)
         t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw, **extra)
         _sync(device)
         return time.perf_counter() - t0, out
 
@@ -148,10 +156,26 @@ def _generate_run(model, ids, steps, warm_tokens=8):
     return prefill, (long - short) / steps, out[:, ids.shape[1]:], (None, peak), median_step
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers (FP8 weights count one byte, their scales four)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def run_model_bench(args) -> dict:
-    """The benchmark of ``mla-fuser bench``; ``args`` are its parsed arguments (``shapes``: (batch, context) pairs)."""
-    fused, name = load_for_cli(args, "vllm_mla")
+    """The benchmark of ``mla-fuser bench``; ``args`` are its parsed arguments (``shapes``: (batch, context) pairs).
+
+    ``--fp8-weights``: the fused model's linears and expert stacks are quantised to block FP8 on load, and the same
+    model fused without quantisation runs in the same process as ``fused_unquantized`` (native stays unquantised:
+    Transformers' FP8 modules need a kernel from the Hub).  ``--fp8-cache``: the fused ``generate`` calls run over a
+    static float8 ``PagedLatentCache``, and the same model over its default cache runs beside it as
+    ``fused_default_cache``."""
+    fp8_weights, fp8_cache = getattr(args, "fp8_weights", False), getattr(args, "fp8_cache", False)
+    if fp8_cache and not getattr(args, "generate", False):
+        raise ValueError("--fp8-cache times generate() over a float8 PagedLatentCache: add --generate")
+    fused, name = load_for_cli(args, "vllm_mla", fp8_weights=fp8_weights)
     device = fused.get_input_embeddings().weight.device
+    unquantized = load_for_cli(args, "vllm_mla")[0] if fp8_weights else None
     native = None
     if not args.skip_native:
         native, _ = load_for_cli(args, "sdpa")
@@ -164,7 +188,13 @@ def run_model_bench(args) -> dict:
         "cuda_graph": bool(getattr(args, "cuda_graph", False)),
         "loop": "transformers generate" if getattr(args, "generate", False) else "manual decode loop",
         "native_decode": "eager, DynamicCache" if not args.compile_mode else f"torch.compile {args.compile_mode}",
+        "fp8_weights": fp8_weights, "fp8_cache": fp8_cache,
+        "weight_bytes": {"fused": weight_bytes(fused)},
     }
+    if unquantized is not None:
+        result["weight_bytes"]["fused_unquantized"] = weight_bytes(unquantized)
+        result["weight_bytes_ratio"] = result["weight_bytes"]["fused"] / result["weight_bytes"]["fused_unquantized"]
+    cache_dtype = torch.float8_e4m3fn if fp8_cache else None
     import transformers
 
     result["transformers"] = transformers.__version__
@@ -177,15 +207,28 @@ def run_model_bench(args) -> dict:
         graphed = dict(compiled, cuda_graph=getattr(args, "cuda_graph", False))
         medians = {}
         if getattr(args, "generate", False):
-            def run(model):
-                *measured, median = _generate_run(model, ids, args.steps)
-                medians[model] = median
+            def run(model, dtype=None, label="fused"):
+                *measured, median = _generate_run(model, ids, args.steps, cache_dtype=dtype)
+                if median is not None:
+                    medians[label] = median * 1e3
                 return measured
         else:
-            def run(model):
+            def run(model, label=None):
                 _decode_run(model, ids, 2, **graphed)
                 return _decode_run(model, ids, args.steps, **graphed)
-        prefill, step, tokens, peak = run(fused)
+        prefill, step, tokens, peak = run(fused, cache_dtype) if getattr(args, "generate", False) else run(fused)
+        if cache_dtype is not None:  # the same fused model over its default cache, for the cache's own speed-up
+            c_prefill, c_step, _, _ = run(fused, label="fused_default_cache")
+            row["fused_default_cache"] = {"prefill_s": c_prefill, "ms_per_step": c_step * 1e3,
+                                          "tok_per_s": batch / c_step}
+            row["speedup_of_fp8_cache"] = c_step / step
+        if unquantized is not None:
+            u_prefill, u_step, u_tokens, _ = run(unquantized, label="fused_unquantized")
+            row["fused_unquantized"] = {"prefill_s": u_prefill, "ms_per_step": u_step * 1e3, "tok_per_s": batch / u_step}
+            row["speedup_vs_unquantized"] = u_step / step
+            common = min(tokens.shape[1], u_tokens.shape[1])
+            row["greedy_tokens_agreement_vs_unquantized"] = float((tokens[:, :common] == u_tokens[:, :common])
+                                                                  .float().mean())
         if getattr(args, "generate", False):
             state = model_state(fused)
             row["fused_graphed_steps"], row["fused_graph_captures"] = state.graphed_steps, state.graph_captures
@@ -193,7 +236,7 @@ def run_model_bench(args) -> dict:
                         "prefill_peak_over_weights_bytes": peak[0], "decode_peak_over_weights_bytes": peak[1]}
         if native is not None:
             if getattr(args, "generate", False):
-                n_prefill, n_step, n_tokens, n_peak = run(native)
+                n_prefill, n_step, n_tokens, n_peak = run(native, label="native")
             else:
                 _decode_run(native, ids, 2, **compiled)
                 n_prefill, n_step, n_tokens, n_peak = _decode_run(native, ids, args.steps, **compiled)
@@ -207,8 +250,7 @@ def run_model_bench(args) -> dict:
             row["greedy_first_divergence"] = int(diverged[0]) if len(diverged) else None
             row["speedup"] = n_step / step
         if medians:
-            row["median_step_ms"] = {name: medians[m] * 1e3 for name, m in (("fused", fused), ("native", native))
-                                     if medians.get(m) is not None}
+            row["median_step_ms"] = medians
         result["runs"].append(row)
         print(row, flush=True)
     if getattr(args, "plot", None):

@@ -186,6 +186,8 @@ def _check_usage(args) -> None:
         _check_prompt_ids(args, config)
     if getattr(args, "plot", None) and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'mla-fuser[plot]'")
+    if getattr(args, "fp8_cache", False) and not args.generate:
+        raise UsageError("--fp8-cache times generate() over a float8 PagedLatentCache: add --generate")
     if args.command == "serve":
         _check_serve_target(args)
 
@@ -330,6 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run decode steps under torch.compile over static caches (reduce-overhead = CUDA graphs)")
     bench.add_argument("--compile-backend", default="inductor", help="torch.compile backend (e.g. eager to check "
                        "tracing only)")
+    bench.add_argument("--fp8-weights", action="store_true",
+                       help="quantise the fused model's linears and experts to block FP8 (128x128) on load; the "
+                            "unquantised fused model runs beside it")
+    bench.add_argument("--fp8-cache", action="store_true",
+                       help="with --generate: the fused model decodes over a float8 PagedLatentCache")
     bench.set_defaults(func=cmd_bench)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the fused model (Transformers' own server; "

@@ -79,21 +79,41 @@ def build_preset(name: str = DEFAULT_PRESET, *, seed: int = 0, attn_implementati
     return model
 
 
-def load_for_cli(args, attn_implementation: str):
+FP8_BLOCK = (128, 128)  # DeepSeek's checkpoints' weight block
+
+
+def fp8_on_demand_config():
+    """Transformers' own ``FineGrainedFP8Config`` as DeepSeek's checkpoints set it (e4m3, 128x128 blocks)."""
+    from transformers import FineGrainedFP8Config
+
+    return FineGrainedFP8Config(weight_block_size=list(FP8_BLOCK))
+
+
+def load_for_cli(args, attn_implementation: str, fp8_weights: bool = False):
     """(model, name) from the command line's model arguments (``--model`` or ``--preset``, ``--dtype`` as a
     ``DTYPES`` name, ``--device``, ``--seed``): a local checkpoint through the package's drop-in loader (fused when
-    ``attn_implementation`` is ``vllm_mla``), or a preset with seeded weights.
+    ``attn_implementation`` is ``vllm_mla``), or a preset with seeded weights.  ``fp8_weights``: the linears and
+    expert stacks quantised to block FP8 on load (``fp8_on_demand_config``), before fusion.
 
     It lives here, not in ``cli``, because ``bench`` takes the same arguments and must not import ``cli``."""
     dtype = DTYPES[args.dtype]
     if args.model:
         from .loader import AutoModelForCausalLM
 
+        extra = {"quantization_config": fp8_on_demand_config()} if fp8_weights else {}
         model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=attn_implementation, dtype=dtype,
-                                                     device_map=args.device)
+                                                     device_map=args.device, **extra)
         return model, args.model
     model = build_preset(args.preset, seed=args.seed, attn_implementation=attn_implementation, dtype=dtype,
-                         device=args.device)
+                         device=args.device, fuse=not fp8_weights)
+    if fp8_weights:
+        from .fusers.fp8_quantize import quantize_linears_to_fp8
+
+        notes = quantize_linears_to_fp8(model, fp8_on_demand_config())
+        if attn_implementation == "vllm_mla":
+            from .fusion import fuse as fuse_model
+
+            fuse_model(model).notes.extend(notes)
     return model, args.preset
 
 

@@ -41,6 +41,29 @@ def test_bench_json(tmp_path):
     assert data["runs"][0]["fused"]["ms_per_step"] > 0
 
 
+def test_bench_fp8_weights_and_cache(tmp_path):
+    """``--fp8-weights --fp8-cache --generate``: the fused model quantised to block FP8 on load (its FP8 linears
+    fused), timed over a float8 latent cache beside the same model over its default cache and the unquantised fused
+    model; weight bytes shrink (fp32 preset: to about a quarter for the quantised linears)."""
+    path = tmp_path / "bench.json"
+    args = ["bench", "--shapes", "1x16", "--steps", "2", "--generate", "--fp8-weights", "--fp8-cache",
+            "--out", str(path)]
+    assert main(args) == 0
+    data = json.loads(path.read_text())
+    run = data["runs"][0]
+    assert data["fp8_weights"] and data["fp8_cache"]
+    assert 0 < data["weight_bytes_ratio"] < 0.6
+    for key in ("fused", "fused_default_cache", "fused_unquantized", "native"):
+        assert run[key]["ms_per_step"] > 0, key
+    assert 0.0 <= run["greedy_tokens_agreement_vs_unquantized"] <= 1.0
+
+
+def test_bench_fp8_cache_needs_generate(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--fp8-cache"])
+    assert exc.value.code == 2 and "--fp8-cache" in capsys.readouterr().err
+
+
 def test_bench_compiled_decode_static_paged_cache(tmp_path):
     """``--compile-mode``: decode steps under torch.compile over a static paged cache (here the ``eager``
     backend: tracing only, the CPU stand-in for the CUDA-graph path)."""

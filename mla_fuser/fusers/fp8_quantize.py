@@ -112,6 +112,7 @@ def quantize_linears_to_fp8(model: nn.Module, config) -> list[str]:
         new.weight_scale_inv = nn.Parameter(scale.to(torch.float32), requires_grad=False)
         if old.bias is not None:
             new.bias = nn.Parameter(old.bias.detach(), requires_grad=False)
+        new.to(old.weight.device)  # anything else the replacement allocated (on the default device) joins the weight
         converted += 1
     stacks = 0
     for name, old in experts.items():
@@ -119,6 +120,7 @@ def quantize_linears_to_fp8(model: nn.Module, config) -> list[str]:
         if new is old:
             continue
         if _fill_experts(new, old, block):
+            new.to(old.gate_up_proj.device)
             stacks += 1
         else:  # Transformers' module does not fit the stacks (its config disagrees): keep the original
             model.set_submodule(name, old)
@@ -126,7 +128,8 @@ def quantize_linears_to_fp8(model: nn.Module, config) -> list[str]:
     model.config.quantization_config = config
     blocks = "per-tensor" if block is None else f"{block[0]}x{block[1]}"
     notes = [f"FP8 on demand: {converted} linears and {stacks} expert stacks quantised to float8_e4m3fn with {blocks} "
-             "scales by mla-fuser (Transformers' FP8 quantizer needs a GPU or XPU)"]
+             "scales by mla-fuser" + ("" if transformers_quantizes_here() else
+                                      " (Transformers' FP8 quantizer needs a GPU or XPU)")]
     if kept:
         notes.append(f"FP8 on demand: {len(kept)} experts modules keep the model's dtype (not decorated gated "
                      f"[E, 2I, H] stacks we can quantise): {', '.join(sorted(kept)[:4])}")

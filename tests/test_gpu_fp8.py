@@ -1,0 +1,114 @@
+"""FP8 accuracy on a GPU against an fp32 oracle (issue 15's accuracy target; skipped without CUDA).
+
+The oracle is native ``sdpa`` in float32 on the DeepSeek-V2-Lite layer shape (4 layers, seeded random weights).  It
+greedily extends 8 prompts by 24 tokens; every candidate is then teacher-forced on those sequences through its own
+cache (the prompt as one prefill, then the 24 tokens one decode step each, so the decode kernels are what is read)
+and its next-token choice at each of the 24 positions is compared with the oracle's.  Candidates, all from the same
+weights: the fused model in bf16 (the reference the target is set against), the fused model with block-FP8 weights
+(quantised on load, 128x128 blocks, from the bf16 weights) over a bf16 latent cache, and the same over a float8
+latent cache.  Target: FP8 weights agree with the oracle within 3 points of bf16; the FP8 cache's own cost is
+reported beside it (asserted only against the CPU test's floor, ``test_fp8_cache.py``).  Results go to stdout and,
+when ``MLA_FUSER_GPU_RESULTS`` names a file, to ``<name>.fp8.json`` beside it.
+
+    python -m pytest tests/test_gpu_fp8.py -q -s
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+import mla_fuser  # noqa: E402
+from mla_fuser.cache import PagedLatentCache  # noqa: E402
+from mla_fuser.compat import cache_keyword  # noqa: E402
+from mla_fuser.fusers.fp8_quantize import quantize_linears_to_fp8  # noqa: E402
+from mla_fuser.presets import fp8_on_demand_config, preset_config  # noqa: E402
+
+PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 128, 24
+WITHIN = 0.03  # the issue's "within 3 points of bf16"
+RESULTS = {}
+
+
+def _model(attn, dtype, state=None):
+    from transformers import AutoModelForCausalLM
+
+    cfg = preset_config("deepseek-v2-lite", num_hidden_layers=4)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype).eval()
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+@torch.no_grad()
+def _teacher_forced_choices(model, seqs, cache_dtype=None):
+    """The model's argmax at each of the last ``NEW_TOKENS`` positions of ``seqs``: prefill the prompt, then one
+    decode step per token, over a static paged latent cache of ``cache_dtype`` (fused) or a DynamicCache."""
+    from transformers import DynamicCache
+
+    if cache_dtype is None and not hasattr(model, "fusion_report"):
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = PagedLatentCache.static_for(model, seqs.shape[0], seqs.shape[1] + 1, dtype=cache_dtype)
+    kw = {cache_keyword(model): cache, "use_cache": True}
+    logits = [model(input_ids=seqs[:, :PROMPT_LEN], **kw).logits[:, -1]]
+    for t in range(PROMPT_LEN, seqs.shape[1] - 1):
+        logits.append(model(input_ids=seqs[:, t:t + 1], **kw).logits[:, -1])
+    return torch.stack(logits, 1).float()
+
+
+@pytest.fixture(scope="module")
+def oracle_and_state():
+    oracle = _model("sdpa", torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, oracle.config.vocab_size, (PROMPTS, PROMPT_LEN), generator=gen).cuda()
+    with torch.no_grad():
+        seqs = oracle.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                               min_new_tokens=NEW_TOKENS, do_sample=False)
+    logits = _teacher_forced_choices(oracle, seqs)
+    state = {k: v.to(torch.bfloat16) for k, v in oracle.state_dict().items()}
+    del oracle
+    torch.cuda.empty_cache()
+    yield seqs, logits, state
+    print(json.dumps(RESULTS, indent=2))
+    path = os.environ.get("MLA_FUSER_GPU_RESULTS")
+    if path:
+        with open(os.path.splitext(path)[0] + ".fp8.json", "w") as fh:
+            json.dump(RESULTS, fh, indent=2)
+
+
+def _agreement(name, logits, oracle_logits):
+    agree = float((logits.argmax(-1) == oracle_logits.argmax(-1)).float().mean())
+    rel = float((logits - oracle_logits).norm() / oracle_logits.norm())
+    RESULTS[name] = {"next_token_agreement": agree, "logits_rel_l2": rel}
+    return agree
+
+
+def test_fp8_weights_agree_with_the_fp32_oracle_within_three_points_of_bf16(oracle_and_state):
+    seqs, oracle_logits, state = oracle_and_state
+    bf16 = _model("vllm_mla", torch.bfloat16, state)
+    mla_fuser.fuse(bf16)
+    ref = _agreement("fused_bf16", _teacher_forced_choices(bf16, seqs), oracle_logits)
+    del bf16
+    fp8 = _model("vllm_mla", torch.bfloat16, state)
+    notes = quantize_linears_to_fp8(fp8, fp8_on_demand_config())
+    report = mla_fuser.fuse(fp8)
+    RESULTS["fp8_notes"] = notes
+    fused_by_kind = {}
+    for row in report.fused():
+        fused_by_kind[row.fuser] = fused_by_kind.get(row.fuser, 0) + 1
+    RESULTS["fp8_fused_rows"] = fused_by_kind
+    RESULTS["fp8_fallbacks"] = [f"{r.qualname}: {r.reason}" for r in report.fallbacks()][:8]
+    weights = _agreement("fused_fp8_weights", _teacher_forced_choices(fp8, seqs), oracle_logits)
+    cache = _agreement("fused_fp8_weights_fp8_cache",
+                       _teacher_forced_choices(fp8, seqs, cache_dtype=torch.float8_e4m3fn), oracle_logits)
+    RESULTS["fp8_weights_points_below_bf16"] = 100 * (ref - weights)
+    RESULTS["fp8_cache_points_below_fp8_weights"] = 100 * (weights - cache)
+    assert weights >= ref - WITHIN, RESULTS
+    assert cache >= 0.75, RESULTS  # test_fp8_cache.py's floor for the cache alone
