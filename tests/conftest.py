@@ -57,18 +57,37 @@ needs_mamba_fusion = pytest.mark.skipif(
 
 
 @torch.no_grad()
-def divergence_gaps(native, fused_out, mask, prompt_len, first, native_tokens):
+def divergence_gaps(native, fused_out, mask, prompt_len, first, native_tokens, **generate_kwargs):
     """For each row where the paths split, native's preference for its own token over fused's, relative to the
-    logits' scale, read from native's logits teacher-forced on the fused sequence (the prefix is common up to
-    the split).  Random-weight bf16 logits have near-ties; a split at a tie (gap within bf16 rounding, the same
-    3e-2 bound as the decode logits) is rounding, a split at a clear preference would be a wrong value."""
-    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], fused_out.shape[1] - prompt_len)], dim=1)
-    logits = native(input_ids=fused_out, attention_mask=full_mask, use_cache=False).logits.float()
+    logits' scale.  Read from native's own ``generate`` forced along the fused tokens (a logits processor leaves
+    only the fused token; ``output_logits`` are the raw logits before it), so each step sees exactly what native's
+    generate would feed its forward on that prefix: its positions (on a right-padded row Transformers counts new
+    tokens from 1, not from the prompt's length), mask and cache; a plain teacher-forced forward differs there by
+    ~1e-3 even in fp32.  ``generate_kwargs``: the native reference call's other settings (greedy, one beam).
+    Random-weight bf16 logits have near-ties; a split at a tie (gap within bf16 rounding, the same 3e-2 bound as
+    the decode logits) is rounding, a split at a clear preference would be a wrong value."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    forced = fused_out[:, prompt_len:]
+
+    class FollowFused(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            token = forced[:, input_ids.shape[1] - prompt_len]
+            out = torch.full_like(scores, float("-inf"))
+            return out.scatter_(1, token[:, None], 0.0)
+
+    kwargs = {k: v for k, v in generate_kwargs.items() if k not in ("max_new_tokens", "min_new_tokens")}
+    run = native.generate(fused_out[:, :prompt_len], attention_mask=mask, max_new_tokens=forced.shape[1],
+                          min_new_tokens=forced.shape[1], do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, logits_processor=LogitsProcessorList([FollowFused()]),
+                          **kwargs)
+    assert torch.equal(run.sequences[:, prompt_len:], forced), "native did not follow the fused tokens"
+    logits = torch.stack(run.logits, 1).float()  # [B, new tokens, V]
     gaps = []
     for row, t in enumerate(first):
         if t >= native_tokens.shape[1]:
             continue
-        scores = logits[row, prompt_len + t - 1]
-        gap = scores[native_tokens[row, t]] - scores[fused_out[row, prompt_len + t]]
+        scores = logits[row, t]
+        gap = scores[native_tokens[row, t]] - scores[forced[row, t]]
         gaps.append(max(0.0, (gap / scores.abs().max()).item()))
     return gaps

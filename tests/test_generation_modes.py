@@ -297,3 +297,28 @@ def test_beam_search_through_the_triton_kernels(monkeypatch, graphed):
     assert torch.equal(out, native.generate(ids, **kw))
     _check_graphed(fused, 8, graphed)
     assert launches.count("mla_decode_triton") >= 7 and launches.count("paged_append_triton") >= 7
+
+
+@torch.no_grad()
+def test_divergence_gap_is_natives_own_margin_on_right_padded_rows(pair):
+    """The GPU tests judge a split between fused and native tokens by ``conftest.divergence_gaps``: native's margin
+    for its token over the other path's, on the common prefix.  On a right-padded row that margin must come from
+    native's generate itself (its step positions count from 1 there), not from a teacher-forced forward (which
+    differs by ~1e-3 in fp32 and made bf16 splits at near-ties look like clear preferences): a sequence that
+    swaps one of native's tokens for its runner-up must give exactly native's own top-2 margin."""
+    from conftest import divergence_gaps
+
+    native, _ = pair
+    ids, mask = left_padded_prompts([5, 12, 9], 128, seed=1)
+    ids, mask = ids.flip(1), mask.flip(1)
+    run = native.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True)
+    new = run.sequences[:, ids.shape[1]:]
+    step = 3
+    scores = run.logits[step][0].float()
+    top2 = scores.topk(2)
+    swapped = run.sequences.clone()
+    swapped[0, ids.shape[1] + step] = top2.indices[1]  # row 0 is right-padded (5 of 12 tokens)
+    gaps = divergence_gaps(native, swapped, mask, ids.shape[1], [step, 6, 6], new)
+    margin = ((top2.values[0] - top2.values[1]) / scores.abs().max()).item()
+    assert len(gaps) == 1 and gaps[0] == pytest.approx(margin, rel=1e-5, abs=1e-7)

@@ -88,6 +88,7 @@ def test_graph_replay_after_beam_reorders_equals_the_eager_step(models):
         runs.append((torch.stack(logits, 1), step, cache))
     (eager, _, eager_cache), (graph, step, cache) = runs
     RESULTS["beam_replay_rel_err_vs_eager"] = _rel(eager, graph)
+    RESULTS["beam_replay_rel_err_per_step"] = [_rel(eager[:, i], graph[:, i]) for i in range(eager.shape[1])]
     RESULTS["beam_replay_captures"] = step.captures
     assert step.captures == 1 and step.layouts == 1
     assert cache.get_seq_length() == eager_cache.get_seq_length() == 120 + 14
@@ -149,7 +150,7 @@ def test_generation_modes_graphed_capture_once_and_agree_with_native(models, mod
     RESULTS[f"{mode}_first_divergence"] = first
     RESULTS[f"{mode}_token_agreement"] = float((new_ref == new_out).float().mean())
     if copies == 1 and not extra.get("do_sample"):  # beams re-rank and samples redraw on near-ties: reported
-        gaps = divergence_gaps(native, out, mask, ids.shape[1], first, new_ref)
+        gaps = divergence_gaps(native, out, mask, ids.shape[1], first, new_ref, **extra)
         RESULTS[f"{mode}_divergence_logit_gaps"] = gaps
         assert max(gaps, default=0.0) < TOLERANCE, f"fused and native split on a clear preference: {gaps}"
 
