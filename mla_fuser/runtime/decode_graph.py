@@ -122,7 +122,7 @@ class DecodeGraph:
         token (a replay past a full static cache would write out of range)."""
         for layer in self.cache.layers:
             if isinstance(layer, PagedLatentLayer):
-                lens = layer.lengths
+                lens = layer.host_lens  # (read, not copied: this runs before every replay)
                 longest = max(lens) if lens else 0
                 if longest == 0:
                     raise RuntimeError(_NOT_PREFILLED)

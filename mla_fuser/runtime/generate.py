@@ -264,6 +264,7 @@ class GraphedForward:
     def __enter__(self):
         self.previous = self.model.__dict__.get("forward")
         self.original = self.model.forward
+        self._signature = inspect.signature(self.original)  # generate asks for it on every step
         self.model.forward = self
         return self
 
@@ -276,7 +277,7 @@ class GraphedForward:
 
     @property
     def __signature__(self):  # generate inspects the forward's parameters
-        return inspect.signature(self.original)
+        return self._signature
 
     def _is_decode_step(self, args, kwargs) -> bool:
         ids = kwargs.get("input_ids")
