@@ -91,8 +91,8 @@ def test_refuses_bad_steps_and_a_full_cache():
         step(token, token)
     with torch.no_grad():
         fused(input_ids=ids, **{KW: cache}, use_cache=True)
-    with pytest.raises(ValueError, match=r"\[B, 1\]"):
-        step(ids, ids)
+    with pytest.raises(ValueError, match=r"1 to 16 tokens"):
+        step(torch.full((2, 17), 5), torch.full((2, 17), 5))
     with pytest.raises(ValueError, match="batch of 3"):
         step(torch.full((3, 1), 5), torch.full((3, 1), 5))
     step(token, torch.full((2, 1), 5))
@@ -229,3 +229,81 @@ def test_graphed_output_uses_the_models_own_cache_field():
     with torch.no_grad():
         ref = native(input_ids=torch.cat([ids, token], 1)).logits[:, -1]
     torch.testing.assert_close(step.logits[:, -1], ref, atol=1e-4, rtol=1e-4)
+
+
+def _native_steps(native, ids, mask, feeds, positions):
+    """Native logits of the prompt's last token and of each fed block, over a DynamicCache with the full mask."""
+    cache = DynamicCache(config=native.config)
+    with torch.no_grad():
+        out = [native(input_ids=ids, attention_mask=mask, **{KW: cache}, use_cache=True).logits[:, -1:]]
+        for feed, pos in zip(feeds, positions):
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], feed.shape[1])], 1)
+            out.append(native(input_ids=feed, attention_mask=mask, position_ids=pos, **{KW: cache},
+                              use_cache=True).logits)
+    return out
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_steps_of_several_tokens_equal_natives_forward(padded):
+    """Steps of 1, 3 (bucket 4), 2, 5 (bucket 8) and 1 tokens per sequence, left-padded or not: each token's logits
+    equal native's over the same tokens and positions; the bucket padding a step writes past the real tokens is
+    taken back (the next step and the cache length show it), with no batch of any size leaving the cache."""
+    native, fused = _fused_pair()
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 128, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :4] = 0
+    starts = (mask == 0).sum(1)
+    cache = PagedLatentCache(fused, static=True, max_seq_len=40, page_size=4, max_cache_tokens=2 * 40)
+    if padded:
+        cache.set_left_padding(starts)
+    with torch.no_grad():
+        first = fused(input_ids=ids, attention_mask=mask, **{KW: cache}, use_cache=True).logits[:, -1:]
+    step = DecodeGraph(fused, cache, capture=False)
+    feeds = [torch.randint(3, 128, (2, n), generator=gen) for n in (1, 3, 2, 5, 1)]
+    positions, seen = [], ids.shape[1]
+    for feed in feeds:
+        positions.append(torch.arange(seen, seen + feed.shape[1]).expand(2, -1) - starts.view(-1, 1))
+        seen += feed.shape[1]
+    ref = _native_steps(native, ids, mask, feeds, positions)
+    got = [first]
+    for feed, pos in zip(feeds, positions):
+        logits = step(feed, pos)
+        got.append(logits.unsqueeze(1) if logits.dim() == 2 else logits)
+        assert cache.get_seq_length() == ids.shape[1] + sum(f.shape[1] for f in feeds[:len(got) - 1])
+    for a, b in zip(ref, got):
+        assert b.shape == a.shape
+        assert torch.allclose(b, a, atol=2e-5, rtol=1e-4), (b - a).abs().max()
+
+
+def test_several_token_steps_near_the_end_of_the_cache_run_exactly_and_stop_when_full():
+    """No room for a bucket's padding at the end of a static cache: the step runs with its exact count; a step that
+    does not fit at all is refused before anything is written."""
+    native, fused = _fused_pair()
+    ids = _prompt(length=5)
+    cache = PagedLatentCache(fused, static=True, max_seq_len=9, page_size=4, max_cache_tokens=2 * 12)
+    with torch.no_grad():
+        fused(input_ids=ids, **{KW: cache}, use_cache=True)
+    step = DecodeGraph(fused, cache, capture=False)
+    feed = torch.randint(3, 128, (2, 3), generator=torch.Generator().manual_seed(1))
+    logits = step(feed, torch.arange(5, 8).expand(2, -1))  # bucket 4 would need 9 + 1 tokens of room
+    ref = _native_steps(native, ids, torch.ones_like(ids), [feed], [torch.arange(5, 8).expand(2, -1)])[1]
+    assert torch.allclose(logits, ref, atol=2e-5, rtol=1e-4)
+    assert cache.get_seq_length() == 8
+    with pytest.raises(CachePoolExhausted, match="full"):
+        step(feed[:, :2], torch.arange(8, 10).expand(2, -1))
+    assert cache.get_seq_length() == 8
+
+
+@needs_mamba_fusion
+def test_several_token_steps_need_paged_layers_only():
+    model = make_model("mamba2")
+    mla_fuser.fuse(model)
+    ids = _prompt(batch=1, length=6, vocab=model.config.vocab_size)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, **{KW: cache}, use_cache=True)
+    step = DecodeGraph(model, cache, capture=False)
+    with pytest.raises(ValueError, match="paged latent layers only"):
+        step(ids[:, :3], torch.arange(6, 9).view(1, -1))

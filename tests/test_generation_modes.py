@@ -214,19 +214,39 @@ def test_caches_that_stay_eager_say_why_and_equal_native(pair, graphed):
         assert why in last_generate_plan(fused).reason
 
 
-@pytest.mark.parametrize("mode", ["assistant", "prompt_lookup"])
-def test_assisted_and_prompt_lookup_decoding_equal_native_eagerly(pair, graphed, mode):
-    """Verification forwards of several tokens are not replayed (yet): the plan says so, the tokens are native's."""
+@pytest.mark.parametrize("mode", ["assistant", "prompt_lookup", "prompt_lookup_sampled"])
+def test_assisted_and_prompt_lookup_verification_steps_are_graphed_and_equal_native(pair, graphed, monkeypatch,
+                                                                                    mode):
+    """Verification forwards of several tokens go through the graphed step (token counts rounded up to buckets of
+    1, 2, 4, 8, 16; rejected candidates cropped from the static cache) and the tokens are native's; one memory
+    layout for the whole call (on CUDA: one capture per bucket, never one per count)."""
+    from mla_fuser.runtime.decode_graph import DecodeGraph
+
     native, fused = pair
     ids, mask = left_padded_prompts([12], seed=12)
-    ids = torch.cat([ids, ids[:, 2:8]], 1)  # a repeat for prompt lookup to find
+    ids = torch.cat([ids, ids[:, 2:8], ids[:, 1:9]], 1)  # repeats for prompt lookup to find
     mask = torch.ones_like(ids)
     extra = dict(assistant_model=tiny_deepseek(seed=5, layers=1)) if mode == "assistant" \
-        else dict(prompt_lookup_num_tokens=3)
-    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, **extra)
-    assert torch.equal(fused.generate(ids, **kw), native.generate(ids, **kw))
+        else dict(prompt_lookup_num_tokens=5)
+    if mode == "prompt_lookup_sampled":
+        extra.update(do_sample=True, top_k=4)
+    kw = {**dict(attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False), **extra}
+    counts = []
+    original = DecodeGraph.__call__
+
+    def spy(self, input_ids, position_ids):
+        counts.append(input_ids.shape[1])
+        return original(self, input_ids, position_ids)
+
+    monkeypatch.setattr(DecodeGraph, "__call__", spy)
+    torch.manual_seed(7)
+    ref = native.generate(ids, **kw)
+    torch.manual_seed(7)
+    out = fused.generate(ids, **kw)
+    assert torch.equal(out, ref)
     plan = last_generate_plan(fused)
-    assert not plan.graphed and "verifies several tokens" in plan.reason
+    assert plan.graphed and plan.layouts == 1, plan.reason
+    assert plan.steps == len(counts) and any(n > 1 for n in counts), counts
 
 
 def test_in_place_reorder_keeps_addresses_and_equals_a_copy(pair):

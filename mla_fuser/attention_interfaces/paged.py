@@ -10,9 +10,19 @@
 An FP8 cache (``PagedLatentCache(..., dtype=torch.float8_e4m3fn)``): decode runs ``mla_decode_fp8`` (per-token scales
 applied in the kernel); the gathered latent is dequantised to the latent's dtype (``PagedLatentLayer.gather``), and a
 prompt's own prefill attends its unquantised latent, as with any cache (only later steps read the rounded rows).
+
+Steps of a few tokens per sequence (assisted and prompt-lookup verification, replayed from a CUDA graph by
+``runtime.DecodeGraph``) take the same kernel: each query token is one row of the kernel's batch, attending its own
+sequence's pages up to its own position (the block-table row repeated, the length counted back from the end).  Their
+causality therefore comes from the lengths on the device, not from a mask, which is what a captured step needs (a
+mask built at capture time would be stale at every replay); this path is only taken inside ``mask_free_steps()``,
+where the caller guarantees that the only padding is the cache's own left padding.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 
@@ -22,8 +32,32 @@ from ..kernels.mla_decode import mla_decode
 from ..kernels.mla_decode_fp8 import mla_decode_fp8
 
 
+# at most this many new tokens per sequence go through the paged decode kernel in one step (= the absorbed path's
+# own limit for short queries, vllm_mla.ABSORBED_MAX_QUERY)
+MAX_STEP_TOKENS = 16
+
+_MASK_FREE = contextvars.ContextVar("mla_fuser_mask_free_steps", default=False)
+
+
+@contextlib.contextmanager
+def mask_free_steps():
+    """Within it, a step of several tokens per sequence over the paged cache ignores the attention mask and attends
+    causally with the cache's own left padding (see the module docstring).  ``runtime.DecodeGraph`` runs its steps
+    in it: they take no mask, so the one the model builds is plain causal."""
+    token = _MASK_FREE.set(True)
+    try:
+        yield
+    finally:
+        _MASK_FREE.reset(token)
+
+
+def in_mask_free_steps() -> bool:
+    return _MASK_FREE.get()
+
+
 def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts=None):
-    """``query`` [B, H, 1, nope+rope] → ``[B, 1, H, v]`` via the decode kernel over the pages.
+    """``query`` [B, H, T, nope+rope] → ``[B, T, H, v]`` via the decode kernel over the pages (T new tokens per
+    sequence, already written: token ``t`` attends up to ``seq_lens - (T - 1 - t)``).
 
     ``w_uk [H, nope, rank]``, ``w_uv [H, v, rank]``, ``b_v [H, v]`` (or None) are the views of ``kv_b_proj`` for
     the heads of ``query`` (``vllm_mla.absorbed_weights``): all heads, or this rank's under tensor parallelism.
@@ -32,17 +66,28 @@ def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts=None):
     pages = view.pages
     fp8 = is_fp8(pages)  # an FP8 cache: q stays in the latent's dtype, the kernel converts the e4m3 rows to it
     kernel = mla_decode_fp8 if fp8 else mla_decode
+    block_table, seq_lens, tokens = view.block_table, view.seq_lens, query.shape[2]
+    if tokens > 1:  # one kernel row per token: its sequence's pages, its own end (all on the device, no sync)
+        back = torch.arange(tokens - 1, -1, -1, device=seq_lens.device, dtype=seq_lens.dtype)
+        seq_lens = (seq_lens.view(-1, 1) - back).reshape(-1)
+        block_table = block_table.repeat_interleave(tokens, dim=0)
+        starts = None if starts is None else starts.repeat_interleave(tokens)
     return absorbed_decode(
         query, w_uk, w_uv, b_v, m, view.new_kv_c.dtype if fp8 else pages.dtype,
-        lambda q_abs: kernel(q_abs, pages, view.block_table, view.seq_lens, scaling, m.kv_lora_rank, starts=starts))
+        lambda q_abs: kernel(q_abs, pages, block_table, seq_lens, scaling, m.kv_lora_rank, starts=starts))
 
 
 def absorbed_decode(query, w_uk, w_uv, b_v, m, q_dtype, attend):
-    """``query`` [B, H, 1, nope+rope] → ``[B, 1, H, v]``: the query absorbed into the latent (``[q_nope @ W_UK |
-    q_pe]`` in ``q_dtype``), ``attend(q_abs [B, H, rank + rope]) -> [B, H, rank]`` (a decode kernel over the latent,
-    wherever it is kept), then ``W_UV`` and the value bias."""
+    """``query`` [B, H, T, nope+rope] → ``[B, T, H, v]``: the query absorbed into the latent (``[q_nope @ W_UK |
+    q_pe]`` in ``q_dtype``), ``attend(q_abs [B * T, H, rank + rope]) -> [B * T, H, rank]`` (a decode kernel over
+    the latent, wherever it is kept; row ``b * T + t`` is token ``t`` of sequence ``b``), then ``W_UV`` and the
+    value bias."""
     nope = m.qk_nope_head_dim
-    q = query.select(2, 0)  # (views by method calls: indexing with slices and Tensor.split cost more host time)
+    batch, _, tokens, _ = query.shape
+    if tokens == 1:
+        q = query.select(2, 0)  # (views by method calls: indexing with slices and Tensor.split cost more host time)
+    else:
+        q = query.transpose(1, 2).reshape(batch * tokens, query.shape[1], query.shape[3])
     q_nope, q_pe = q.narrow(-1, 0, nope), q.narrow(-1, nope, q.shape[-1] - nope)
     # [H, B, nope] x [H, nope, rank] -> [H, B, rank]
     q_lat = torch.bmm(q_nope.transpose(0, 1), _as(w_uk, q_nope.dtype)).transpose(0, 1)
@@ -53,7 +98,8 @@ def absorbed_decode(query, w_uk, w_uv, b_v, m, q_dtype, attend):
     out = torch.bmm(_as(out_lat.transpose(0, 1), w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
     if b_v is not None:
         out = out + b_v
-    return _as(out.unsqueeze(1), query.dtype)
+    out = out.unsqueeze(1) if tokens == 1 else out.view(batch, tokens, *out.shape[1:])
+    return _as(out, query.dtype)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..cache import PAGED_ATTR
 from ..plans import plan_of
 from ..graph import is_plain_linear
-from .paged import absorbed_decode, gathered_latent, paged_decode
+from .paged import MAX_STEP_TOKENS, absorbed_decode, gathered_latent, in_mask_free_steps, paged_decode
 from . import ragged
 from ..kernels.fp8.format import FP8_DTYPE, SCALE_NAME  # FP8 kv_b_proj (issue 15)
 from ..kernels.fp8.quant import compute_dtype, dequantized_weight
@@ -255,8 +255,14 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
     absorbable = is_plain_linear(kv_b)  # else adapters (PEFT) wrap it: only calling it computes what it does
     view = getattr(kv_c, PAGED_ATTR, None)
     if view is not None:  # the paged latent cache: decode straight from the pages, else read them back
-        if (absorbable and q_len == 1 and indices is None and s_aux is None and sliding_window is None
-                and softcap is None and not (dropout and module.training)):
+        plain = (absorbable and indices is None and s_aux is None and sliding_window is None and softcap is None
+                 and not (dropout and module.training))
+        if plain and 1 < q_len <= MAX_STEP_TOKENS and is_causal and in_mask_free_steps():
+            # a replayed step of a few tokens per sequence (assisted / prompt-lookup verification): causal by the
+            # lengths on the device, the cache's left padding only; the mask (built at capture) is not read
+            return with_absorbed_weights(kv_b, m, heads, lambda w_uk, w_uv, b_v: paged_decode(
+                query, view, scale, w_uk, w_uv, b_v, m, view.starts))
+        if plain and q_len == 1:
             # the cache's own left padding (if any), and a mask's only if it is left padding: both restrict the
             # keys to "from s on", so together they keep the later start
             starts = view.starts

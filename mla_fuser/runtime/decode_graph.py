@@ -17,6 +17,13 @@ The host-side bookkeeping that the captured Python code did once (the paged laye
 after capture and advanced by one token after every replay.  Addresses are checked before each replay: if a cache
 moved its memory (a pool grew, a batch changed), the step is captured again, never replayed on stale addresses.
 
+A step may also feed a few tokens per sequence at once (up to ``MAX_STEP_TOKENS``: assisted and prompt-lookup
+verification), over a cache of paged layers only.  Their count is rounded up to a bucket (1, 2, 4, 8, 16) so a few
+graphs serve every count: the bucket's extra tokens (copies of the last one, at the following positions) are written
+and attended after the real ones, which never see them, and are dropped again inside the step (the device lengths
+are lowered by a pad count read from device memory, so the same graph serves every count of its bucket).  One graph
+per bucket, all over the same cache memory; a bucket is captured on its second use (the first one compiles).
+
 Steps take no attention mask: a left-padded batch is described to the cache once
 (``PagedLatentCache.set_left_padding``) and the decode kernel skips each row's padding; other padding is moved to
 the left after the prefill (``move_padding_left``).  A beam reorder between steps (``reorder_cache``) permutes the
@@ -31,9 +38,24 @@ import inspect
 
 import torch
 
+from ..attention_interfaces.paged import MAX_STEP_TOKENS, mask_free_steps
 from ..cache import CachePoolExhausted, PagedLatentCache, PagedLatentLayer
 from ..compat import cache_keyword
 from ..kernels.dispatch import graph_warmup
+
+
+def step_bucket(tokens: int) -> int:
+    """The token count a step of ``tokens`` per sequence runs as: 1, else the next power of two (at most 16)."""
+    return 1 if tokens <= 1 else min(MAX_STEP_TOKENS, 1 << (tokens - 1).bit_length())
+
+
+class _Bucket:
+    """One captured step shape: its static inputs, its graph (None until captured) and its output."""
+
+    __slots__ = ("ids", "positions", "graph", "logits")
+
+    def __init__(self, ids, positions):
+        self.ids, self.positions, self.graph, self.logits = ids, positions, None, None
 
 
 def _is_state_layer(layer) -> bool:
@@ -76,6 +98,8 @@ class DecodeGraph:
 
     Call it with ``input_ids [B, 1]`` and ``position_ids [B, 1]`` (the absolute position of each new token); it
     returns the logits ``[B, vocab]`` of the step (a fresh tensor).  The batch size is fixed by the first call.
+    With ``T`` tokens per sequence (``[B, T]``, ``1 < T <= MAX_STEP_TOKENS``, paged layers only) it returns
+    ``[B, T, vocab]``.
     """
 
     def __init__(self, model, cache, *, capture: bool | None = None):
@@ -87,13 +111,15 @@ class DecodeGraph:
             raise ValueError("DecodeGraph: capture=True needs the model on a CUDA device")
         self.device = device
         self.keyword = cache_keyword(model)
-        self.graph = None
-        self.captures = 0  # how many times the step was captured (1 unless a cache moved its memory)
+        self._buckets: dict[int, _Bucket] = {}  # per step size (step_bucket): static inputs and graph
+        self._pool = None  # one memory pool for every bucket's graph (they never run at once)
+        self._pad = None  # device int: how many of a step's tokens are bucket padding (dropped again in the step)
+        self.captures = 0  # how many times a step was captured (once per bucket, unless a cache moved its memory)
         # memory layouts the steps ran on, counted with or without capture: on CUDA every layout after the one of
         # the first (eager) step is a capture, so this is what tells on a CPU that a reorder kept the graph valid
         self.layouts = 0
         self._addresses = self._seen = None
-        self._ids = self._positions = self._logits = None
+        self._batch = None
         self._check_layers()
         self._paged = [layer for layer in self.cache.layers if isinstance(layer, PagedLatentLayer)]
 
@@ -117,9 +143,15 @@ class DecodeGraph:
     def _paged_layers(self):
         return self._paged
 
-    def _check_step(self, batch: int):
+    @property
+    def graph(self):
+        """The single-token step's graph (None before it is captured)."""
+        bucket = self._buckets.get(1)
+        return None if bucket is None else bucket.graph
+
+    def _check_step(self, batch: int, tokens: int = 1):
         """Every step, one pass over the layers: the cache was prefilled, holds this batch and has room for the
-        token (a replay past a full static cache would write out of range)."""
+        step's ``tokens`` (a replay past a full static cache would write out of range)."""
         for layer in self.cache.layers:
             if isinstance(layer, PagedLatentLayer):
                 lens = layer.host_lens  # (read, not copied: this runs before every replay)
@@ -128,7 +160,7 @@ class DecodeGraph:
                     raise RuntimeError(_NOT_PREFILLED)
                 if len(lens) != batch:
                     raise ValueError(f"DecodeGraph: the cache holds {len(lens)} sequences, got a batch of {batch}")
-                if longest + 1 > self.cache.max_seq_len:
+                if longest + tokens > self.cache.max_seq_len:
                     raise CachePoolExhausted(
                         f"static paged latent cache sized for {self.cache.max_seq_len} tokens per sequence is full"
                     )
@@ -143,61 +175,108 @@ class DecodeGraph:
 
     # ------------------------------------------------------------------ running
     def _forward(self, input_ids, position_ids):
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1,
-                         **{self.keyword: self.cache})
-        return out.logits[:, -1]
+        """One step as the model runs it; a step of several tokens drops its bucket padding again (device lengths
+        lowered by ``self._pad``; the host lengths are the caller's)."""
+        tokens = input_ids.shape[1]
+        with mask_free_steps():
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=tokens,
+                             **{self.keyword: self.cache})
+        if tokens == 1:
+            return out.logits[:, -1]
+        for layer in self._paged:
+            layer.seq_lens.sub_(self._pad)
+        return out.logits
 
-    def _capture(self):
-        """Capture one step on the static buffers.  Capturing runs no kernel, so device state is untouched; the
-        host state the captured Python advanced (paged host lengths) is put back."""
-        saved = [layer.lengths for layer in self._paged_layers()]
+    def _capture(self, bucket: _Bucket):
+        """Capture one step on the bucket's static buffers.  Capturing runs no kernel, so device state is untouched;
+        the host state the captured Python advanced (paged host lengths) is put back."""
+        saved = [layer.lengths for layer in self._paged]
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         try:
-            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-                self._logits = self._forward(self._ids, self._positions)
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                bucket.logits = self._forward(bucket.ids, bucket.positions)
         finally:
-            for layer, lens in zip(self._paged_layers(), saved):
+            for layer, lens in zip(self._paged, saved):
                 layer.rewind(lens)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.graph = graph
+        bucket.graph = graph
         self.captures += 1
         self._addresses = self._current_addresses()
 
+    def _padded(self, input_ids, position_ids, size: int):
+        """The step's inputs grown to ``size`` tokens: copies of the last token at the following positions."""
+        extra = size - input_ids.shape[1]
+        if extra == 0:
+            return input_ids, position_ids
+        steps = torch.arange(1, extra + 1, device=position_ids.device, dtype=position_ids.dtype)
+        return (torch.cat([input_ids, input_ids[:, -1:].expand(-1, extra)], dim=1),
+                torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1))
+
+    def _eager(self, input_ids, position_ids, tokens: int, size: int):
+        """A step run eagerly (no capture, or a bucket's first use), host lengths advanced by the real tokens."""
+        if size > 1:
+            self._pad.fill_(size - tokens)
+        logits = self._forward(input_ids, position_ids).clone()
+        if size > 1:
+            for layer in self._paged:
+                layer.rewind([n - (size - tokens) for n in layer.host_lens])
+            logits = logits[:, :tokens]
+        return logits
+
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.dim() != 2 or input_ids.shape[1] != 1:
-            raise ValueError(f"DecodeGraph steps one token per sequence: input_ids must be [B, 1], got "
-                             f"{tuple(input_ids.shape)}")
+        if input_ids.dim() != 2 or not 1 <= input_ids.shape[1] <= MAX_STEP_TOKENS:
+            raise ValueError(f"DecodeGraph steps 1 to {MAX_STEP_TOKENS} tokens per sequence: input_ids must be "
+                             f"[B, T], got {tuple(input_ids.shape)}")
         if position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids {tuple(position_ids.shape)} must match input_ids {tuple(input_ids.shape)}")
-        batch = input_ids.shape[0]
-        self._check_step(batch)
+        batch, tokens = input_ids.shape
+        if tokens > 1 and len(self._paged) != len(self.cache.layers):
+            raise ValueError("DecodeGraph: steps of several tokens need a cache of paged latent layers only (a "
+                             "state layer cannot take back the tokens a step writes beyond the real ones)")
+        size = step_bucket(tokens)
+        if size > tokens:
+            lens = self._paged[0].host_lens if self._paged else []
+            if lens and max(lens) + size > self.cache.max_seq_len:
+                size = tokens  # no room for the bucket's padding at the end of the cache: this count exactly
+        self._check_step(batch, size)
+        if self._batch is not None and self._batch != batch:
+            raise ValueError(f"DecodeGraph was captured for a batch of {self._batch}, got {batch}")
+        self._batch = batch
         addresses = self._current_addresses()
         if addresses != self._seen:
             self._seen = addresses
             self.layouts += 1
+        if size > 1 and self._pad is None:
+            self._pad = torch.zeros((), dtype=self._paged[0].seq_lens.dtype, device=self._paged[0].seq_lens.device)
+        input_ids, position_ids = self._padded(input_ids.to(self.device), position_ids.to(self.device), size)
         if not self.capture:
-            return self._forward(input_ids.to(self.device), position_ids.to(self.device)).clone()
-        if self._ids is None:
-            # the first step runs eagerly (on a side stream, as capture will): it compiles every Triton kernel
+            return self._eager(input_ids, position_ids, tokens, size)
+        bucket = self._buckets.get(size)
+        if bucket is None:
+            # a bucket's first step runs eagerly (on a side stream, as capture will): it compiles every Triton kernel
             # variant and initialises library workspaces, none of which may happen while capturing
-            self._ids = torch.zeros_like(input_ids, device=self.device)
-            self._positions = torch.zeros_like(position_ids, device=self.device, dtype=torch.long)
+            self._buckets[size] = _Bucket(torch.zeros_like(input_ids), torch.zeros_like(position_ids, dtype=torch.long))
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream), graph_warmup():
-                logits = self._forward(input_ids.to(self.device), position_ids.to(self.device)).clone()
+                logits = self._eager(input_ids, position_ids, tokens, size)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             return logits
-        if self._ids.shape[0] != batch:
-            raise ValueError(f"DecodeGraph was captured for a batch of {self._ids.shape[0]}, got {batch}")
-        if self.graph is None or addresses != self._addresses:
-            self._capture()
-        self._ids.copy_(input_ids, non_blocking=True)
-        self._positions.copy_(position_ids, non_blocking=True)
-        self.graph.replay()
-        for layer in self._paged_layers():  # what the replayed kernels did on the device
-            layer.advance(1)
-        return self._logits.clone()
+        if addresses != self._addresses:  # memory moved: no graph of the old layout may be replayed
+            for other in self._buckets.values():
+                other.graph = None
+        if bucket.graph is None:
+            self._capture(bucket)
+        bucket.ids.copy_(input_ids, non_blocking=True)
+        bucket.positions.copy_(position_ids, non_blocking=True)
+        if size > 1:
+            self._pad.fill_(size - tokens)
+        bucket.graph.replay()
+        for layer in self._paged:  # what the replayed kernels did on the device
+            layer.advance(tokens)
+        return bucket.logits.clone() if size == 1 else bucket.logits[:, :tokens].clone()

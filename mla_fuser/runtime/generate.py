@@ -4,7 +4,8 @@
   gets a ``PagedLatentCache``;
 * the **graph plan** (:func:`plan_generate`): on CUDA, decode steps replay a CUDA graph (:class:`GraphedForward`
   over a static paged cache, or over Transformers' own cache of a Mamba model whose layers all keep fixed-size
-  states) for greedy, sampling and beam search, unpadded or with any padding, with no cache given, a static
+  states) for greedy, sampling, beam search and the verification steps of assisted and prompt-lookup decoding
+  (several tokens per step, graphed per bucket of token counts), unpadded or with any padding, with no cache given, a static
   ``PagedLatentCache`` or an empty ``DynamicCache`` the caller passes (converted, and filled at the end), or
   ``cache_implementation="static"`` / ``"dynamic"``; every other call runs eagerly, the reason kept in
   :func:`last_generate_plan`.  ``MLA_FUSER_CUDA_GRAPHS=0`` turns graphs off;
@@ -12,7 +13,7 @@
   decode-time swap to ``batched_mm`` (``fusers.moe.keep_fused_experts``); a user's own choice still wins.
 
 The class and Transformers stay untouched; a choice of the caller that we do not graph (a growing cache,
-Transformers' ``StaticCache`` object, ``use_cache=False``, an assistant) is passed through as given.
+Transformers' ``StaticCache`` object, ``use_cache=False``) is passed through as given.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import torch
 
 from .. import envs
 from ..attention_interfaces.vllm_mla import left_padding_of
-from ..cache import PagedLatentCache, paged_layer_indices
+from ..attention_interfaces.paged import MAX_STEP_TOKENS
+from ..cache import PagedLatentCache, PagedLatentLayer, paged_layer_indices
 from ..compat import ATTENTION_NAME, CACHE_KWARGS, attention_implementation, cache_keyword, caller_chose_cache
 from ..fusers.moe.experts import has_switched_experts, keep_fused_experts
 from ..plans import model_state
@@ -256,6 +258,10 @@ class GraphedForward:
         self.move_padding = move_padding
         self.keyword = cache_keyword(model)
         self.graph = DecodeGraph(model, cache)
+        # steps of several tokens (assisted / prompt-lookup verification) need every layer paged (take-back of the
+        # bucket padding); a cache with state layers steps one token at a time and verifies eagerly
+        layers = getattr(cache, "layers", ())
+        self.multi_token = bool(layers) and all(isinstance(layer, PagedLatentLayer) for layer in layers)
         self.output_type = None
         self.cache_field = None  # the output's cache field, read off the first eager output (_cache_field)
         self.steps = 0  # decode steps that went through the graph (the first one runs eagerly inside it)
@@ -280,25 +286,29 @@ class GraphedForward:
         return self._signature
 
     def _is_decode_step(self, args, kwargs) -> bool:
+        """One new token per sequence, or (over paged layers only) up to ``MAX_STEP_TOKENS`` of them: a verification
+        step of assisted or prompt-lookup decoding, once the prompt is in the cache."""
         ids = kwargs.get("input_ids")
-        return (
-            not args and kwargs.get(self.keyword) is self.cache and ids is not None and ids.dim() == 2
-            and ids.shape[1] == 1 and not any(kwargs.get(k) for k in self._PASSED_THROUGH)
-            and kwargs.get("inputs_embeds") is None and kwargs.get("use_cache", True) is not False
-            and self.output_type is not None
-        )
+        if (args or kwargs.get(self.keyword) is not self.cache or ids is None or ids.dim() != 2
+                or any(kwargs.get(k) for k in self._PASSED_THROUGH) or kwargs.get("inputs_embeds") is not None
+                or kwargs.get("use_cache", True) is False or self.output_type is None):
+            return False
+        tokens = ids.shape[1]
+        return tokens == 1 or (tokens <= MAX_STEP_TOKENS and self.multi_token and self.cache.get_seq_length() > 0)
 
-    def _positions(self, kwargs, batch):
+    def _positions(self, kwargs, batch, tokens=1):
         position_ids = kwargs.get("position_ids")
-        if position_ids is not None and position_ids.shape == (batch, 1):
+        if position_ids is not None and position_ids.shape == (batch, tokens):
             return position_ids
         if isinstance(self.cache, PagedLatentCache) and self.cache.paged:
-            return self.cache.next_positions(batch)  # the cached tokens, less the row's left padding
-        try:
-            seen = self.cache.get_seq_length()
-        except ValueError:  # only state (Mamba) layers: nothing positional is cached, and nothing reads positions
-            seen = 0
-        return torch.full((batch, 1), seen, device=self.graph.device, dtype=torch.long)
+            first = self.cache.next_positions(batch)  # the cached tokens, less the row's left padding
+        else:
+            try:
+                seen = self.cache.get_seq_length()
+            except ValueError:  # only state (Mamba) layers: nothing positional is cached, and nothing reads positions
+                seen = 0
+            first = torch.full((batch, 1), seen, device=self.graph.device, dtype=torch.long)
+        return first if tokens == 1 else first + torch.arange(tokens, device=first.device)
 
     def __call__(self, *args, **kwargs):
         if self._inside or not self._is_decode_step(args, kwargs):
@@ -315,13 +325,17 @@ class GraphedForward:
         ids = kwargs["input_ids"]
         self._inside = True
         try:
-            logits = self.graph(ids, self._positions(kwargs, ids.shape[0]))
+            logits = self.graph(ids, self._positions(kwargs, *ids.shape))
         finally:
             self._inside = False
         self.steps += 1
+        logits = logits.unsqueeze(1) if logits.dim() == 2 else logits
+        keep = kwargs.get("logits_to_keep")
+        if isinstance(keep, int) and 0 < keep < logits.shape[1]:
+            logits = logits[:, -keep:]
         # positionally: Transformers may rename keyword arguments of outputs between releases (5.24 maps
         # ``cache_params=`` to ``cache=``), the field order is what the class itself defines
-        values = {"logits": logits.unsqueeze(1), self.cache_field: self.cache}
+        values = {"logits": logits, self.cache_field: self.cache}
         return self.output_type(*(values.get(name) for name in self.output_type.__dataclass_fields__))
 
 
@@ -356,8 +370,6 @@ class CallShape:
 
 # generate arguments whose decoding strategy runs model calls a replayed step does not make
 _EAGER_STRATEGIES = {
-    "assistant_model": "assisted decoding verifies several tokens per step",
-    "prompt_lookup_num_tokens": "prompt lookup decoding verifies several tokens per step",
     "synced_gpus": "synced_gpus keeps running forwards after the end",
     "output_attentions": "steps that return attentions run the model's forward",
     "output_hidden_states": "steps that return hidden states run the model's forward",
@@ -395,7 +407,11 @@ def call_shape(model, args, kwargs) -> CallShape:
     copies = beams if beams > 1 else (setting("num_return_sequences", 1) or 1)
     mask = _prompt_mask(ids, kwargs.get("attention_mask"), setting("pad_token_id"), setting("eos_token_id"))
     padding = None if mask is None or bool(mask.all()) else mask.bool().repeat_interleave(copies, dim=0)
-    return CallShape(ids.shape[0] * copies, ids.shape[1] + new_tokens + 1, padding, beams=beams)
+    # assisted / prompt-lookup verification writes candidates past the last kept token (then crops them): room for a
+    # whole step's bucket beyond the end
+    verifies = setting("assistant_model") is not None or bool(setting("prompt_lookup_num_tokens"))
+    room = ids.shape[1] + new_tokens + 1 + (MAX_STEP_TOKENS if verifies else 0)
+    return CallShape(ids.shape[0] * copies, room, padding, beams=beams)
 
 
 def _prompt_mask(ids, mask, pad, eos):
