@@ -42,12 +42,15 @@ import torch
 
 # in this order (the targets first), so that a run cut short by --budget-s keeps those
 MODES = ("greedy", "beam4", "right_padded", "left_padded", "dynamic_cache", "static_cache", "sample_top_p",
-         "greedy_eager")
+         "greedy_b1", "prompt_lookup", "greedy_eager")
 # steps not counted: the first (eager: kernel compiles of new variants) and the capture of a graphed call
 SKIPPED_STEPS = 3
 # modes whose native call is another mode's (not run twice)
 NATIVE_SAME_AS = {"greedy_eager": "greedy", "dynamic_cache": "greedy"}
-TARGETS = {"beam4": "<= 8 ms/step", "right_padded": "<= 1.3x left_padded", "dynamic_cache": "<= 1.3x greedy"}
+TARGETS = {"beam4": "<= 8 ms/step", "right_padded": "<= 1.3x left_padded", "dynamic_cache": "<= 1.3x greedy",
+           "prompt_lookup": "ms_per_forward (one verification of up to 9 tokens) <= 2x greedy_b1 ms_per_step"}
+# prompt lookup: batch 1 (assisted decoding's limit), candidates of up to this many tokens per verification
+LOOKUP_TOKENS = 8
 
 
 def build(preset: str, layers: int | None, device, dtype):
@@ -112,14 +115,18 @@ def mode_call(mode: str, model, fused: bool, batch: int, length: int, device):
 
     vocab = model.get_input_embeddings().weight.shape[0]
     padding = {"left_padded": "left", "right_padded": "right"}.get(mode)
-    b = 4 if mode == "beam4" else batch
+    b = 4 if mode == "beam4" else 1 if mode in ("greedy_b1", "prompt_lookup") else batch
     ids, mask = prompts(b, length, vocab, padding, device)
+    if mode == "prompt_lookup":  # a prompt of repeated 64-token pieces, so that every lookup finds candidates
+        ids = ids[:, :64].repeat(1, length // 64 + 1)[:, :length]
     kw = dict(attention_mask=mask, do_sample=False)
     env = ("MLA_FUSER_CUDA_GRAPHS", "0") if mode == "greedy_eager" else (None, None)
     if mode == "beam4":
         kw["num_beams"] = 4
     elif mode == "sample_top_p":
         kw.update(do_sample=True, top_p=0.9)
+    elif mode == "prompt_lookup":
+        kw["prompt_lookup_num_tokens"] = LOOKUP_TOKENS
 
     def cache(new_tokens):
         if mode == "dynamic_cache":
@@ -159,14 +166,24 @@ def measure(mode, model, fused, args, device, sync):
     from mla_fuser.runtime.generate import last_generate_plan
 
     ids, kw, (name, value), cache, keyword = mode_call(mode, model, fused, args.batch, args.prompt, device)
-    with environment(name, value), torch.no_grad():
-        torch.manual_seed(0)
-        t0 = time.perf_counter()
-        out, gaps = timed_generate(model, ids, kw, args.steps, cache, keyword, sync)
-        total = time.perf_counter() - t0
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(time.perf_counter()))
+    try:
+        with environment(name, value), torch.no_grad():
+            torch.manual_seed(0)
+            t0 = time.perf_counter()
+            out, gaps = timed_generate(model, ids, kw, args.steps, cache, keyword, sync)
+            total = time.perf_counter() - t0
+    finally:
+        hook.remove()
     steady = gaps[SKIPPED_STEPS:] or gaps
     row = {"ms_per_step": statistics.median(steady) * 1e3, "ms_per_step_min": min(steady) * 1e3,
-           "generate_s": total, "batch_rows": int(ids.shape[0]) * kw.get("num_beams", 1)}
+           "generate_s": total, "batch_rows": int(ids.shape[0]) * kw.get("num_beams", 1), "forwards": len(forwards)}
+    if mode == "prompt_lookup":  # verification forwards: from one forward's start to the next (after warm-up)
+        spans = [b - a for a, b in zip(forwards[1:], forwards[2:])][SKIPPED_STEPS:]
+        if spans:
+            row["ms_per_forward"] = statistics.median(spans) * 1e3
+            row["tokens_per_forward"] = args.steps / max(1, len(forwards) - 1)
     if fused:
         plan = last_generate_plan(model)
         row.update(graphed=plan.graphed, captures=plan.captures, graphed_steps=plan.steps, eager_reason=plan.reason)
@@ -248,8 +265,9 @@ def main(argv=None):
         tokens = [row.pop(f"{n}_tokens", None) for n in ("fused", "native")]
         if tokens[0] is not None and tokens[1] is not None and tokens[0].shape == tokens[1].shape:
             row["token_agreement"] = float((tokens[0] == tokens[1]).float().mean())
-        if "ms_per_step" in row.get("fused", {}) and "ms_per_step" in row.get("native", {}):
-            row["speedup"] = row["native"]["ms_per_step"] / row["fused"]["ms_per_step"]
+        key = "ms_per_forward" if mode == "prompt_lookup" else "ms_per_step"  # (its stamps are per candidate)
+        if key in row.get("fused", {}) and key in row.get("native", {}):
+            row["speedup"] = row["native"][key] / row["fused"][key]
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as fh:
