@@ -2,28 +2,48 @@
 
 Shapes: the linears of DeepSeek-V2-Lite (hidden 2048, no q-LoRA) and DeepSeek-V3 (hidden 7168, q-LoRA 1536), as
 ``(N, K)`` of ``y[T, N] = x[T, K] @ W[N, K]^T``, at T in {1, 16, 64, 512, 8192} tokens; weights quantised per
-128x128 block (random normal 0.02).  For each (shape, T), median of ``triton.testing.do_bench``:
+128x128 block (random normal 0.02).  Variants:
 * ``bf16_mm``: ``torch.mm(x, W_bf16.T)``;
-* ``weight_only``: the weight-only Triton kernel (activations unquantised, split-K by heuristic);
+* ``weight_only``: the weight-only Triton kernel (activations unquantised, tiles and split-K from the table);
 * ``fp8_tc``: activation quantisation + the FP8 tensor-core kernel (on GPUs with compute capability >= 8.9);
-* ``auto``: what ``block_fp8_linear`` picks at that T;
-plus the weight-read bandwidth of each (weight bytes / time: the figure of merit at 1-16 tokens, target >= 75% of
-the copy bandwidth), TFLOP/s (2*T*N*K), the speed-up over bf16 (target at 8192 tokens: >= 1.5x), and the error of
-each against ``block_fp8_linear_ref`` (fp32) as max|out - ref| / max|ref|.  The device copy bandwidth (a large
-``copy_``, bytes read + written) is measured in the same run.  A failing variant is recorded with its error and the
-run goes on.
+* ``auto``: what ``block_fp8_linear`` picks at that T.
+
+Two times per variant, because both matter and they differ by an order of magnitude at decode sizes:
+* ``*_ms``: GPU time: ``calls`` calls (up to 20, fewer for slow ones) captured in one CUDA graph, the replay's
+  median time (``triton.testing.do_bench``, which flushes L2 before each replay) over ``calls``.  What a decode
+  step replayed from a graph pays.  The calls cycle through enough copies of the weight that none is re-read
+  from L2 within a replay (a model reads each layer's weights once per step);
+* ``*_eager_ms``: one eager call per ``do_bench`` run (L2 flushed before each): host time (Python, allocation,
+  launches) whenever it exceeds the GPU time.
+The weight-read bandwidth (weight bytes / time: the figure of merit at 1-16 tokens, target >= 75% of the copy
+bandwidth), TFLOP/s (2*T*N*K) and the speed-up over bf16 (target at 8192 tokens: >= 1.5x) come from the GPU time,
+``*_eager_speedup_vs_bf16`` from the eager times; the error of each against ``block_fp8_linear_ref`` (fp32) is
+max|out - ref| / max|ref|.  The device copy bandwidth (a large ``copy_``, bytes read + written) is measured in the
+same run.  A failing variant is recorded with its error and the run goes on.
+
+``--sweep`` picks the launch tables of :mod:`mla_fuser.kernels.fp8.linear` (``W8_CONFIGS``, ``TC_CONFIGS``)
+instead: for a few shapes (``--sweep-shapes``) and T in ``--sweep-tokens``, the GPU time (as ``*_ms`` above) of
+every config of a small grid -- weight-only for T <= 64 (tile, warps, stages, split-K fill, MMA or GEMV), FP8
+tensor cores for T >= 64 (tile, warps, stages) -- beside bf16 ``torch.mm``.  It prints and writes the best config
+per (shape, T), the best of each path at T = 64 (where the path threshold ``FP8_TENSOR_CORE_MIN_TOKENS`` is
+decided), and ``suggested_tables``: per T and path, the config with the best geometric-mean time over the shapes
+(with how far it is from each shape's own best), as table rows ready to paste.  Kernels compile in threads
+first, so the whole sweep is one GPU call of a few minutes:
+``python benchmarks/bench_fp8_gemm.py --sweep --out benchmarks/results/fp8_gemm_sweep.json``.
 
 ``--experts`` runs the block-FP8 experts instead (``fused_experts_fp8``, :mod:`mla_fuser.kernels.fused_moe`): the
 grouped GEMMs of one MoE layer at DeepSeek-V2-Lite's expert shapes (64 experts, hidden 2048, moe_intermediate 1408,
 top-6 of random router scores), T in {1, 16, 64, 512, 8192} tokens, 128x128 block scales per expert, against bf16
 ``fused_experts`` on the same weights in the same run: median ms, the speed-up, the bytes of the experts the tokens
 picked over the time (``*_weight_GBps``, and as a fraction of the copy bandwidth), and the error against
-``fused_experts_fp8_ref`` (fp32 on the dequantised weights).  JSON: ``benchmarks/results/fp8_experts.json``.
+``fused_experts_fp8_ref`` (fp32 on the dequantised weights); eager calls only, timed as ``*_ms``.  JSON:
+``benchmarks/results/fp8_experts.json``.
 
 GPU: ``python benchmarks/bench_fp8_gemm.py --out benchmarks/results/fp8_gemm.json`` (a few minutes on an H200);
 ``python benchmarks/bench_fp8_gemm.py --experts --out benchmarks/results/fp8_experts.json``.
-CPU check of the whole flow: ``python benchmarks/bench_fp8_gemm.py --dry-run`` (tiny shapes under Triton's
-interpreter; its numbers mean nothing; writes to a temp dir unless ``--out`` is given).
+CPU check of the whole flow: ``python benchmarks/bench_fp8_gemm.py --dry-run`` (and ``--dry-run --sweep``): tiny
+shapes under Triton's interpreter, eager timing only (no CUDA graphs); its numbers mean nothing; writes to a temp
+dir unless ``--out`` is given.
 """
 
 import argparse
@@ -44,6 +64,13 @@ SHAPES = {  # name: (N, K)
     "v3.o_proj": (7168, 16384), "v3.mlp.gate_up": (36864, 7168), "v3.mlp.down": (7168, 18432),
 }
 TINY_SHAPES = {"tiny.a": (40, 128), "tiny.b": (96, 64)}
+SWEEP_SHAPES = ("v2lite.q_proj", "v2lite.kv_a_proj", "v3.mlp.gate_up", "v3.mlp.down")
+MAX_CALLS_PER_GRAPH = 20
+GRAPH_TARGET_MS = 2.0  # calls per graph: enough for about this much GPU time (replay launch cost amortised)
+W8_SWEEP_MAX_TOKENS, TC_SWEEP_MIN_TOKENS = 64, 64
+# a swept config off the fp32 reference by more than this is broken, not slow (weight-only: bf16 output rounding;
+# FP8 tensor cores: activation quantisation too)
+MAX_REL_ERR = {"weight_only": 0.02, "fp8_tc": 0.1}
 
 
 def parse_args(argv=None):
@@ -54,6 +81,10 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--rep", type=int, default=50, help="do_bench rep (ms)")
     p.add_argument("--experts", action="store_true", help="FP8 vs bf16 fused MoE experts at V2-Lite shapes instead")
+    p.add_argument("--sweep", action="store_true", help="time a config grid per (shape, T) and suggest the tables")
+    p.add_argument("--sweep-shapes", default=",".join(SWEEP_SHAPES))
+    p.add_argument("--sweep-tokens", default="1,16,64,512,8192")
+    p.add_argument("--sweep-rep", type=int, default=20, help="do_bench rep (ms) per swept config")
     return p.parse_args(argv)
 
 
@@ -114,6 +145,359 @@ def bench_experts(args, bench, result, device, tokens):
     return result
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# timing
+
+
+def make_timers(args, device):
+    """``(eager_ms(fn), graph_ms(fn, copies, calls, rep))``; ``fn(i)`` runs one call on weight copy ``i``."""
+    import torch
+    import triton
+
+    def eager_ms(fn, rep=None):
+        if device == "cpu":  # dry run: one warm call, one timed call
+            fn(0)
+            start = time.perf_counter()
+            fn(0)
+            return (time.perf_counter() - start) * 1e3
+        return triton.testing.do_bench(lambda: fn(0), warmup=10, rep=rep or args.rep, return_mode="median")
+
+    def graph_ms(fn, copies, calls, rep=None):
+        """GPU time per call: ``calls`` calls cycling through ``copies`` weights, captured in one CUDA graph."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the capture (compiles, allocator pools)
+            for i in range(copies):
+                fn(i)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(i % copies)
+        try:
+            return triton.testing.do_bench(graph.replay, warmup=5, rep=rep or args.rep, return_mode="median") / calls
+        finally:
+            del graph
+
+    return eager_ms, graph_ms
+
+
+def weight_copies(weight_bytes, l2_bytes):
+    """Copies of a weight to cycle through in one graph so that none is re-read from L2: all distinct, or enough
+    that the bytes read between two reads of one copy are twice the L2."""
+    return max(1, min(MAX_CALLS_PER_GRAPH, -(-2 * l2_bytes // weight_bytes)))
+
+
+def calls_per_graph(eager_ms):
+    """Calls per graph: ~``GRAPH_TARGET_MS`` of work (the eager time bounds the GPU time from above)."""
+    return max(1, min(MAX_CALLS_PER_GRAPH, int(GRAPH_TARGET_MS / max(eager_ms, 1e-6))))
+
+
+def quantised_copies(n, k, block, copies, device, gen):
+    """``copies`` random weights ``[N, K]`` (normal, 0.02) as ``(fp8, scale, bf16)``; the first is the one checked
+    against the reference."""
+    import torch
+    from mla_fuser.kernels.fp8 import quantize_block_fp8
+
+    out = []
+    for _ in range(copies):
+        w = torch.randn(n, k, device=device, generator=gen) * 0.02
+        out.append((*quantize_block_fp8(w, block), w.to(torch.bfloat16)))
+        del w
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sweep
+
+
+def w8_grid(tokens, dry_run):
+    """Weight-only candidates at ``tokens``: MMA tiles (rows padded to 16) and, for 1-4 tokens, GEMV tiles; each
+    with split-K fills 0 (none), 1, 2, 4 programs per SM."""
+    from mla_fuser.kernels.fp8.linear import W8Config
+
+    if dry_run:
+        return [W8Config(16, 16, 16, 4, 2, 0), W8Config(16, 32, 16, 4, 2, 2), W8Config(1, 16, 16, 4, 1, 0, False)]
+    grid = []
+    block_ms = (16,) if tokens <= 16 else (16, 32, 64)
+    widths = (16, 32, 64, 128) if tokens <= 16 else (64, 128)
+    for bm in block_ms:
+        for bn in widths:
+            for warps in (4, 8):
+                if warps == 8 and bm * bn < 16 * 64:
+                    continue
+                for stages in (3, 4, 5) if tokens <= 16 else (3, 4):
+                    grid += [W8Config(bm, bn, 128, warps, stages, fill) for fill in (0, 1, 2, 4)]
+    if tokens <= 4:
+        bm = 1 << (tokens - 1).bit_length()
+        for bn in (8, 16, 32):
+            for warps in (2, 4):
+                for stages in (1, 3):
+                    grid += [W8Config(bm, bn, 128, warps, stages, fill, False) for fill in (0, 1, 2, 4)]
+    return grid
+
+
+def tc_grid(tokens, dry_run):
+    """FP8 tensor-core candidates at ``tokens``.  Tiles with more than 64 accumulator elements per thread are left
+    out: each K tile's product and the accumulator are both live (the scales apply between them), so 128x128 on
+    4 warps or 128x256 on 8 spill (checked by compiling for sm_90)."""
+    from mla_fuser.kernels.fp8.linear import TCConfig
+
+    if dry_run:
+        return [TCConfig(16, 16, 16, 2, 4, 2), TCConfig(16, 32, 32, 2, 4, 2)]
+    grid = []
+    block_ms = (64,) if tokens <= 64 else (64, 128)
+    widths = (64, 128) if tokens <= 512 else (128, 256)
+    for bm in block_ms:
+        for bn in widths:
+            for warps in (4, 8):
+                if bm * bn > 64 * 32 * warps:
+                    continue
+                for stages in (3, 4) if tokens <= 512 else (3, 4, 5):
+                    grid.append(TCConfig(bm, bn, 128, 8, warps, stages))
+    return grid
+
+
+def precompile(jobs, log):
+    """Compile the sweep's kernels in threads (ptxas runs as a subprocess and much of Triton's pipeline releases
+    the GIL), so the grid fits in one GPU call.  Failures are left for the timed loop to record."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = time.perf_counter()
+
+    def one(job):
+        try:
+            job()
+            return True
+        except Exception:
+            return False
+
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
+        ok = sum(pool.map(one, jobs))
+    log(f"precompiled {ok}/{len(jobs)} kernels in {time.perf_counter() - start:.1f} s")
+
+
+def _config_row(max_tokens, config):
+    fields = ", ".join(f"{k}={v!r}" for k, v in config._asdict().items())
+    return f"({max_tokens}, None, {type(config).__name__}({fields})),"
+
+
+def suggest_tables(records):
+    """Per (path, T): the config with the best geometric-mean time over the shapes (those it ran on all of),
+    with its ratio to each shape's best, as table rows."""
+    import math
+
+    by_key = {}
+    for r in records:
+        if "ms" in r:
+            by_key.setdefault((r["path"], r["tokens"]), []).append(r)
+    tables = {"W8_CONFIGS": [], "TC_CONFIGS": []}  # (rows in token order: the keys sort by path, then T)
+    for (path, tokens), recs in sorted(by_key.items()):
+        shapes = sorted({r["shape"] for r in recs})
+        best = {sh: min(r["ms"] for r in recs if r["shape"] == sh) for sh in shapes}
+        per_config = {}
+        for r in recs:
+            per_config.setdefault(r["config_obj"], {})[r["shape"]] = r["ms"] / best[r["shape"]]
+        complete = {c: v for c, v in per_config.items() if len(v) == len(shapes)}
+        if not complete:
+            continue
+        config, ratios = min(complete.items(), key=lambda kv: sum(math.log(x) for x in kv[1].values()))
+        geo = math.exp(sum(math.log(x) for x in ratios.values()) / len(ratios))
+        worst = max(ratios, key=ratios.get)
+        note = f"T={tokens}: {geo:.3f}x the per-shape bests (geo-mean), worst {ratios[worst]:.3f}x on {worst}"
+        table = "W8_CONFIGS" if path == "weight_only" else "TC_CONFIGS"
+        tables[table].append(dict(tokens=tokens, config=config._asdict(), geo_mean_vs_best=geo, vs_best=ratios,
+                                  note=note, row=_config_row(tokens, config)))
+    if tables["TC_CONFIGS"]:  # the largest T's config serves every larger T
+        last = tables["TC_CONFIGS"][-1]
+        last["row"] = last["row"].replace(f"({last['tokens']}, None, ", "(None, None, ", 1)
+    return tables
+
+
+def run_sweep(args, result, device, eager_ms, graph_ms, log):
+    """The ``--sweep`` section: every config of the grids per (shape, T), the bests, the suggested tables."""
+    import torch
+    from mla_fuser.kernels.dispatch import cdiv
+    from mla_fuser.kernels.fp8 import block_fp8_linear_ref
+    from mla_fuser.kernels.fp8 import linear as fp8_linear
+
+    dry = args.dry_run
+    names = list(TINY_SHAPES) if dry else [s for s in args.sweep_shapes.split(",") if s]
+    tokens = [1, 3] if dry else [int(t) for t in args.sweep_tokens.split(",")]
+    block = (32, 64) if dry else (128, 128)
+    has_tc = dry or torch.cuda.get_device_capability() >= (8, 9)
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20) if device == "cuda" else 0
+    gen = torch.Generator(device=device).manual_seed(0)
+    dev_index = torch.cuda.current_device() if device == "cuda" else None
+
+    def paths(t):
+        out = []
+        if dry or t <= W8_SWEEP_MAX_TOKENS:
+            out += [("weight_only", cfg) for cfg in w8_grid(t, dry)]
+        if has_tc and (dry or t >= TC_SWEEP_MIN_TOKENS):
+            out += [("fp8_tc", cfg) for cfg in tc_grid(t, dry)]
+        return out
+
+    def call(path, cfg, x, wq, ws, warmup=False):
+        if path == "weight_only":
+            return fp8_linear.w8_linear_triton(x, wq, ws, None, *block, config=cfg, warmup=warmup)
+        return fp8_linear.fp8_linear_triton(x, wq, ws, None, *block, config=cfg, warmup=warmup)
+
+    all_shapes = TINY_SHAPES if dry else SHAPES
+    if device == "cuda":  # every kernel of the grid, compiled once per specialisation, in threads
+        jobs = {}
+        for name in names:
+            n, k = all_shapes[name]
+            # (what a launch specialises on besides the constexprs: ints equal to 1 or divisible by 16)
+            spec = (n % 16 == 0, k % 16 == 0, cdiv(k, block[1]) % 16 == 0)
+            wq = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device)  # (values do not matter to a compile)
+            ws = torch.ones(cdiv(n, block[0]), cdiv(k, block[1]), device=device)
+            for t in tokens:
+                x = torch.empty(t, k, dtype=torch.bfloat16, device=device)
+                for p, c in paths(t):
+                    key = (spec, t == 1, p, c)
+                    if p == "weight_only":  # fills differ only in the split count: 1 or not is what compiles
+                        plan = fp8_linear.w8_plan(t, n, k, *block, x.dtype, False, False, dev_index, c)
+                        key = (spec, t == 1, p, c._replace(fill=0), plan.splits > 1)
+                    jobs.setdefault(key, lambda p=p, c=c, x=x, wq=wq, ws=ws: call(p, c, x, wq, ws, warmup=True))
+        precompile(list(jobs.values()), log)
+        del jobs
+        torch.cuda.empty_cache()
+
+    records, best_rows = [], []
+    started = time.perf_counter()
+    for name in names:
+        n, k = all_shapes[name]
+        copies = weight_copies(n * k, l2) if device == "cuda" else 1
+        weights = quantised_copies(n, k, block, copies, device, gen)
+        bf16_copies = weight_copies(2 * n * k, l2) if device == "cuda" else 1
+        for t in tokens:
+            x = torch.randn(t, k, device=device, generator=gen).to(torch.bfloat16)
+            ref = block_fp8_linear_ref(x, weights[0][0], weights[0][1], *block).float()
+            calls = MAX_CALLS_PER_GRAPH if t <= W8_SWEEP_MAX_TOKENS else max(1, int(8192 / t))
+
+            def timed(fn, n_copies):
+                return graph_ms(fn, n_copies, calls, args.sweep_rep) if device == "cuda" else eager_ms(fn)
+
+            bf16_ms = timed(lambda i: torch.mm(x, weights[i][2].T), bf16_copies)
+            seen = {}  # (path, config without fill, splits) -> ms: fills that give the same split are one launch
+            for path, cfg in paths(t):
+                rec = dict(shape=name, N=n, K=k, tokens=t, path=path, config=cfg._asdict(), config_obj=cfg)
+                try:
+                    if path == "weight_only":
+                        plan = fp8_linear.w8_plan(t, n, k, *block, x.dtype, False, fp8_linear.triton_interpreting(),
+                                                  dev_index, cfg)
+                        rec["splits"] = plan.splits
+                        key = (path, cfg._replace(fill=0), plan.splits)
+                    else:
+                        key = (path, cfg, 1)
+                    if key not in seen:
+                        out = call(path, cfg, x, weights[0][0], weights[0][1]).float()
+                        err = float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+                        if not err <= MAX_REL_ERR[path]:
+                            raise AssertionError(f"wrong result: rel_err {err:.3g}")
+                        seen[key] = (timed(lambda i: call(path, cfg, x, weights[i][0], weights[i][1]), copies), err)
+                    rec["ms"], rec["rel_err"] = seen[key]
+                except Exception as exc:  # out of shared memory, registers, ...: recorded, the sweep goes on
+                    rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                records.append(rec)
+            for path in ("weight_only", "fp8_tc"):
+                done = [r for r in records if r["shape"] == name and r["tokens"] == t and r["path"] == path
+                        and "ms" in r]
+                if done:
+                    top = min(done, key=lambda r: r["ms"])
+                    row = dict(shape=name, tokens=t, path=path, config=top["config"], splits=top.get("splits"),
+                               ms=top["ms"], bf16_ms=bf16_ms, speedup_vs_bf16=bf16_ms / top["ms"],
+                               weight_frac_of_copy=(n * k / top["ms"] / 1e6 / result["copy_GBps"]
+                                                    if "copy_GBps" in result else None),
+                               configs_ok=len(done))
+                    best_rows.append(row)
+                    log(f"[{time.perf_counter() - started:6.1f}s] {name} T={t} {path}: best {top['ms'] * 1e3:.1f} us "
+                        f"(bf16 {bf16_ms * 1e3:.1f} us, {row['speedup_vs_bf16']:.2f}x) {top['config']} "
+                        f"splits={top.get('splits')} ({len(done)} ok)")
+            del x, ref
+        del weights
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    tables = suggest_tables(records)
+    for r in records:
+        del r["config_obj"]
+    threshold = {}
+    for r in best_rows:
+        threshold.setdefault((r["shape"], r["tokens"]), {})[r["path"]] = r["ms"]
+    paths_compared = [dict(shape=sh, tokens=t, **v) for (sh, t), v in threshold.items() if len(v) == 2]
+    result["sweep"] = dict(records=records, best=best_rows, both_paths=paths_compared, suggested_tables=tables)
+    log("\nsuggested table rows (mla_fuser/kernels/fp8/linear.py; keep an unbounded last row in each):")
+    for table, rows in tables.items():
+        log(f"{table} = (")
+        for row in rows:
+            log(f"    # {row['note']}\n    {row['row']}")
+        log(")")
+    for c in paths_compared:
+        log(f"both paths at T={c['tokens']} on {c['shape']}: weight-only {c['weight_only'] * 1e3:.1f} us, "
+            f"FP8 tensor cores {c['fp8_tc'] * 1e3:.1f} us")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the GEMM rows
+
+
+def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
+    """The default section: each variant at each (shape, T), GPU and eager times."""
+    import torch
+    from mla_fuser.kernels.fp8 import block_fp8_linear, block_fp8_linear_ref
+    from mla_fuser.kernels.fp8 import linear as fp8_linear
+
+    block = tuple(result["block"])
+    has_tc = device == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20) if device == "cuda" else 0
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, (n, k) in shapes.items():
+        n_copies = {"fp8": weight_copies(n * k, l2), "bf16": weight_copies(2 * n * k, l2)} if l2 else \
+            {"fp8": 1, "bf16": 1}
+        weights = quantised_copies(n, k, block, n_copies["fp8"], device, gen)
+        for t in tokens:
+            x = torch.randn(t, k, device=device, generator=gen).to(torch.bfloat16)
+            wq, ws, _ = weights[0]
+            ref = block_fp8_linear_ref(x, wq, ws, *block).float()
+            variants = {"bf16_mm": lambda i: torch.mm(x, weights[i][2].T),
+                        "weight_only": lambda i: fp8_linear.w8_linear_triton(x, *weights[i][:2], None, *block),
+                        "auto": lambda i: block_fp8_linear(x, *weights[i][:2], block)}
+            if has_tc:
+                variants["fp8_tc"] = lambda i: fp8_linear.fp8_linear_triton(x, *weights[i][:2], None, *block)
+            row = {"shape": name, "N": n, "K": k, "tokens": t, "auto_path": fp8_linear.choose_path(t, x, *block)}
+            for label, fn in variants.items():
+                try:
+                    out = fn(0).float()
+                    row[f"{label}_rel_err"] = float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+                    row[f"{label}_eager_ms"] = eager_ms(fn)
+                    if device == "cuda":
+                        calls = calls_per_graph(row[f"{label}_eager_ms"])
+                        copies = min(calls, n_copies["bf16" if label == "bf16_mm" else "fp8"])
+                        row[f"{label}_ms"] = graph_ms(fn, copies, calls)
+                        row[f"{label}_graph_calls"] = calls
+                    ms = row.get(f"{label}_ms", row[f"{label}_eager_ms"])
+                    weight_bytes = n * k * (2 if label == "bf16_mm" else 1)
+                    row[f"{label}_weight_GBps"] = weight_bytes / ms / 1e6
+                    row[f"{label}_TFLOPs"] = 2 * t * n * k / ms / 1e9
+                except Exception as exc:  # record and go on: one run on the GPU must give every other number
+                    row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+                    traceback.print_exc()
+            for label in ("weight_only", "fp8_tc", "auto"):
+                for kind in ("", "eager_"):
+                    if f"{label}_{kind}ms" in row and f"bf16_mm_{kind}ms" in row:
+                        row[f"{label}_{kind}speedup_vs_bf16"] = row[f"bf16_mm_{kind}ms"] / row[f"{label}_{kind}ms"]
+                if "copy_GBps" in result and f"{label}_weight_GBps" in row:
+                    row[f"{label}_frac_of_copy"] = row[f"{label}_weight_GBps"] / result["copy_GBps"]
+            result["rows"].append(row)
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+            del x, ref
+        del weights
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:
@@ -123,7 +507,6 @@ def main(argv=None):
     sys.path.insert(0, ROOT)
     import torch
     import triton
-    from mla_fuser.kernels.fp8 import block_fp8_linear, block_fp8_linear_ref, quantize_block_fp8
     from mla_fuser.kernels.fp8 import linear as fp8_linear
 
     device = "cpu" if args.dry_run else "cuda"
@@ -134,68 +517,31 @@ def main(argv=None):
     if args.shapes:
         shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")}
     block = (32, 64) if args.dry_run else (128, 128)
-
-    def bench(fn):
-        if args.dry_run:
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e3
-        return triton.testing.do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
+    eager_ms, graph_ms = make_timers(args, device)
 
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "triton": triton.__version__, "block": block,
-              "tensor_core_min_tokens": fp8_linear.FP8_TENSOR_CORE_MIN_TOKENS, "dry_run": args.dry_run, "rows": []}
+              "tensor_core_min_tokens": fp8_linear.FP8_TENSOR_CORE_MIN_TOKENS, "dry_run": args.dry_run,
+              "timing": ("*_ms: CUDA-graph replay / calls (GPU time); *_eager_ms: one eager call per do_bench run"
+                         if device == "cuda" else "dry run: *_eager_ms only (one interpreted call)"),
+              "rows": []}
     if device == "cuda":
         src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
-        ms = bench(lambda: dst.copy_(src))
+        ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=args.rep, return_mode="median")
         result["copy_GBps"] = 2 * src.numel() / ms / 1e6
         del src, dst
         print(f"copy bandwidth {result['copy_GBps']:.0f} GB/s", flush=True)
-    has_tc = device == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
-    gen = torch.Generator(device=device).manual_seed(0)
-    if args.experts:
-        shapes = {}  # the experts section only
+    if args.sweep:
+        run_sweep(args, result, device, eager_ms, graph_ms, lambda msg: print(msg, flush=True))
+    elif args.experts:
+        def bench(fn):
+            return eager_ms(lambda i: fn())
+
         bench_experts(args, bench, result, device, [1, 5] if args.dry_run else tokens)
-    for name, (n, k) in shapes.items():
-        w = torch.randn(n, k, device=device, generator=gen) * 0.02
-        wq, ws = quantize_block_fp8(w, block)
-        w_bf16 = w.to(torch.bfloat16)
-        del w
-        for t in tokens:
-            x = torch.randn(t, k, device=device, generator=gen).to(torch.bfloat16)
-            ref = block_fp8_linear_ref(x, wq, ws, *block).float()
-            variants = {"bf16_mm": lambda: torch.mm(x, w_bf16.T),
-                        "weight_only": lambda: fp8_linear.w8_linear_triton(x, wq, ws, None, *block),
-                        "auto": lambda: block_fp8_linear(x, wq, ws, block)}
-            if has_tc:
-                variants["fp8_tc"] = lambda: fp8_linear.fp8_linear_triton(x, wq, ws, None, *block)
-            row = {"shape": name, "N": n, "K": k, "tokens": t,
-                   "auto_path": fp8_linear.choose_path(t, x, *block)}
-            for label, fn in variants.items():
-                try:
-                    out = fn().float()
-                    row[f"{label}_rel_err"] = float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
-                    ms = bench(fn)
-                    weight_bytes = n * k * (2 if label == "bf16_mm" else 1)
-                    row[f"{label}_ms"] = ms
-                    row[f"{label}_weight_GBps"] = weight_bytes / ms / 1e6
-                    row[f"{label}_TFLOPs"] = 2 * t * n * k / ms / 1e9
-                except Exception as exc:  # record and go on: one run on the GPU must give every other number
-                    row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
-                    traceback.print_exc()
-            for label in ("weight_only", "fp8_tc", "auto"):
-                if f"{label}_ms" in row and "bf16_mm_ms" in row:
-                    row[f"{label}_speedup_vs_bf16"] = row["bf16_mm_ms"] / row[f"{label}_ms"]
-                if "copy_GBps" in result and f"{label}_weight_GBps" in row:
-                    row[f"{label}_frac_of_copy"] = row[f"{label}_weight_GBps"] / result["copy_GBps"]
-            result["rows"].append(row)
-            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-            del x, ref
-        del wq, ws, w_bf16
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    stem = "fp8_experts.json" if args.experts else "fp8_gemm.json"
+    else:
+        bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms)
+    stem = "fp8_experts.json" if args.experts else "fp8_gemm_sweep.json" if args.sweep else "fp8_gemm.json"
     out = args.out or (os.path.join(tempfile.mkdtemp(), stem) if args.dry_run
                        else os.path.join(ROOT, "benchmarks", "results", stem))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

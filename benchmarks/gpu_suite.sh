@@ -42,7 +42,7 @@ want serving && step 420 python3 benchmarks/bench_serving.py --requests 1000 --s
 want modes && step 200 env MLA_FUSER_GPU_RESULTS="$out/gpu_generation_modes.json" python3 -m pytest -q -p no:cacheprovider \
            tests/test_gpu_generation_modes.py tests/test_gpu_continuous_batching.py
 want modes && step 300 python3 benchmarks/bench_generate_modes.py --budget-s 150 --out "$out/generate_modes.json"
-want fp8 && step 120 python3 benchmarks/bench_fp8_gemm.py --out "$out/fp8_gemm.json"
+want fp8 && step 180 python3 benchmarks/bench_fp8_gemm.py --out "$out/fp8_gemm.json"
 want fp8 && step 90 python3 benchmarks/bench_mla_decode_kernel.py --fp8-cache --out "$out/mla_decode_fp8_cache.json"
 want fp8 && step 150 env MLA_FUSER_GPU_RESULTS="$out/gpu_tests.json" python3 -m pytest -q -p no:cacheprovider -s \
            tests/test_gpu_fp8.py

@@ -19,6 +19,7 @@ import mla_fuser
 from mla_fuser.fusers import FP8LinearFuser
 from mla_fuser.kernels.fp8 import (block_fp8_linear_act_quant_ref, block_fp8_linear_ref, dequantize_block_fp8,
                                    explain_block_fp8, quantize_block_fp8)
+from mla_fuser.kernels.dispatch import cdiv
 from mla_fuser.kernels.fp8 import linear as fp8_linear
 from mla_fuser.kernels.fp8.quant import quantize_token_groups_ref
 from mla_fuser.rewrite import STACKED_ATTR
@@ -51,22 +52,128 @@ def test_weight_only_kernel_matches_reference(monkeypatch, m, n, k, block, split
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
 
 
-@pytest.mark.parametrize("m,n,k,block", [(3, 40, 96, (16, 32)), (20, 64, 128, (32, 64))])
-def test_fp8_tensor_core_kernel_matches_its_reference(monkeypatch, m, n, k, block):
+W8 = fp8_linear.W8Config
+W8_VARIANTS = {  # tiny tiles of each kernel variant: tensor-core MMA (rows padded to 16), GEMV for 1 and 4 rows
+    "mma": W8(16, 16, 16, fill=0), "mma_k32": W8(16, 32, 32, fill=0),
+    "gemv1": W8(1, 16, 16, fill=0, dot=False), "gemv4": W8(4, 8, 16, fill=0, dot=False),
+}
+
+
+@pytest.mark.parametrize("m,n,k,block", [(1, 40, 72, (16, 32)), (3, 100, 96, None), (17, 48, 80, (32, 32))])
+@pytest.mark.parametrize("variant", list(W8_VARIANTS))
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_weight_only_variants_match_reference(monkeypatch, m, n, k, block, variant, splits, with_bias):
+    """Every kernel variant, with and without split-K (the reduction kernel adds the bias and casts), K a
+    multiple of the tile or not (72 = 4.5 tiles of 16, 80 = 2.5 of 32), one token and several."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    gen = torch.Generator().manual_seed(k)
+    gen = torch.Generator().manual_seed(m + n + k)
+    weight, scale = quantize_block_fp8(torch.randn(n, k, generator=gen), block)
+    x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen) if with_bias else None
+    bn, bk = block or (0, 0)
+    out = fp8_linear.w8_linear_triton(x, weight, scale, bias, bn, bk, splits=splits, config=W8_VARIANTS[variant])
+    ref = block_fp8_linear_ref(x, weight, scale, bn, bk, bias)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", ["mma", "gemv1"])
+def test_weight_only_half_precision_split_k_is_deterministic(monkeypatch, dtype, variant):
+    """Half-precision activations: the fp32 result rounded once (as the reference), split-K partials summed in
+    split order (the same bits every run)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(3)
+    weight, scale = quantize_block_fp8(torch.randn(48, 96, generator=gen), (16, 32))
+    x, bias = torch.randn(2, 96, generator=gen).to(dtype), torch.randn(48, generator=gen).to(dtype)
+    cfg = W8_VARIANTS[variant]
+    out = fp8_linear.w8_linear_triton(x, weight, scale, bias, 16, 32, splits=3, config=cfg)
+    again = fp8_linear.w8_linear_triton(x, weight, scale, bias, 16, 32, splits=3, config=cfg)
+    ref = block_fp8_linear_ref(x, weight, scale, 16, 32, bias)
+    assert out.dtype == dtype and torch.equal(out, again)
+    assert torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=1e-2), (out.float() - ref.float()).abs().max()
+
+
+def test_launch_plans_from_the_tables(monkeypatch, request):
+    """Default tiles come from the tables by token count (``block_k`` capped to the quantisation block's
+    power-of-two divisor), split-K fills the SMs without a split shorter than two K tiles or past K, and a plan
+    is computed once per shape."""
+    monkeypatch.setattr(fp8_linear, "_sm_count", lambda index: 132)
+    fp8_linear.w8_plan.cache_clear()
+    request.addfinalizer(fp8_linear.w8_plan.cache_clear)  # (no plan sized by the fake SM count outlives the test)
+    for table in (fp8_linear.W8_CONFIGS, fp8_linear.TC_CONFIGS):
+        assert table[-1][:2] == (None, None)
+    assert fp8_linear.table_config(((4, None, "a"), (None, 100, "b"), (None, None, "c")), 8, 10) == "b"
+    assert fp8_linear.table_config(((4, None, "a"), (None, 100, "b"), (None, None, "c")), 8, 1000) == "c"
+    args = (torch.bfloat16, False, False, 0)
+    plan = fp8_linear.w8_plan(1, 3072, 2048, 128, 128, *args)
+    cfg = fp8_linear.table_config(fp8_linear.W8_CONFIGS, 1, 3072 * 2048)
+    tiles, k_tiles = cdiv(3072, cfg.block_n), cdiv(2048, plan.config.block_k)
+    want = max(1, min(cdiv(cfg.fill * 132, tiles), k_tiles // fp8_linear.MIN_K_TILES_PER_SPLIT,
+                      fp8_linear.MAX_SPLITS)) if cfg.fill else 1
+    assert plan.splits == want and plan.grid == (1, tiles, want)
+    assert fp8_linear.w8_plan(1, 3072, 2048, 128, 128, *args) is plan  # cached
+    assert fp8_linear.w8_plan(1, 3072, 2048, 128, 48, *args).config.block_k == 16  # 48 = 3 * 16
+    assert fp8_linear.w8_plan(1, 3072, 2048, 128, 48, *args[:3], None).splits == 1  # off CUDA: no split
+    # more splits than K tiles: one tile each, none past K
+    plan = fp8_linear.w8_plan(1, 40, 72, 16, 32, *args, None, (16, 16, 16), 8)
+    assert plan.splits == 5 and plan.k_per_split == 16 and not plan.meta["EVEN_K"]
+    assert fp8_linear.w8_plan(1, 40, 72, 16, 32, torch.bfloat16, True, False, 0, None, None, 1).meta["HAS_BIAS"]
+    assert not fp8_linear.w8_plan(1, 40, 72, 16, 32, torch.bfloat16, True, False, 0, None, None, 2).meta["HAS_BIAS"]
+    with pytest.raises(ValueError, match="must divide"):
+        fp8_linear.w8_plan(1, 40, 96, 16, 48, *args, None, (16, 16, 32))
+    weight, scale = quantize_block_fp8(torch.randn(40, 72), (16, 32))
+    assert fp8_linear.w8_linear_triton(torch.randn(0, 72), weight, scale, None, 16, 32).shape == (0, 40)
+    tc = fp8_linear.tc_plan(8192, 7168, 18432, 128, 128, False, False)
+    assert tc.config == fp8_linear.table_config(fp8_linear.TC_CONFIGS, 8192, 7168 * 18432)
+    assert tc.meta["SCALAR_B"] == (128 % tc.config.block_n == 0)
+
+
+@pytest.mark.parametrize("m,n,k,block,tiles", [(3, 40, 96, (16, 32), (16, 16, 16)), (2, 40, 80, (16, 32), (16, 16, 32)),
+                                               (20, 64, 128, (32, 64), None), (1, 40, 80, (16, 32), (16, 32, 32)),
+                                               (5, 72, 80, (32, 16), (16, 64, 16))])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_tensor_core_kernel_matches_its_reference(monkeypatch, m, n, k, block, tiles, with_bias):
+    """Weight scales per tile (``BLOCK_N`` divides ``bn``) or per column (wider tiles), K a multiple of the tile
+    or not (80), one token, the table's tiles (``tiles=None``), with and without bias."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(k + m)
     weight, scale = quantize_block_fp8(torch.randn(n, k, generator=gen), block)
     x = torch.randn(m, k, generator=gen) * 3
+    bias = torch.randn(n, generator=gen) if with_bias else None
     q, s = fp8_linear.quantize_token_groups(x, block[1])
     q_ref, s_ref = quantize_token_groups_ref(x, block[1])
     assert torch.equal(s, s_ref) and torch.equal(q.float(), q_ref.float())
-    out = fp8_linear.fp8_linear_triton(x, weight, scale, None, *block, tiles=(16, 16, 16))
-    ref = block_fp8_linear_act_quant_ref(x, weight, scale, *block)
+    out = fp8_linear.fp8_linear_triton(x, weight, scale, bias, *block, tiles=tiles)
+    ref = block_fp8_linear_act_quant_ref(x, weight, scale, *block, bias)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-5), (out - ref).abs().max()
     # activation quantisation is what separates it from the weight-only reference: close, not equal
-    weight_only = block_fp8_linear_ref(x, weight, scale, *block)
+    weight_only = block_fp8_linear_ref(x, weight, scale, *block, bias)
     assert not torch.allclose(out, weight_only, atol=1e-4)
     assert (out - weight_only).norm() < 0.1 * weight_only.norm()
+
+
+def test_activation_quantisation_over_several_programs_per_token(monkeypatch):
+    """70 groups of 16 (the last partial) are 2 programs per token of 64 groups each; the scales come back as
+    ``[M, groups]`` (stored group-major)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(3, 16 * 70 - 5, generator=torch.Generator().manual_seed(4)) * torch.linspace(0.1, 40, 16 * 70 - 5)
+    q, s = fp8_linear.quantize_token_groups(x, 16)
+    q_ref, s_ref = quantize_token_groups_ref(x, 16)
+    assert s.shape == (3, 70) and s.stride() == (1, 3)
+    assert torch.equal(s, s_ref) and torch.equal(q.float(), q_ref.float())
+
+
+def test_dispatch_takes_the_tensor_core_path_with_default_tiles(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(5)
+    weight, scale = quantize_block_fp8(torch.randn(24, 128, generator=gen), (16, 64))
+    x, bias = torch.randn(fp8_linear.FP8_TENSOR_CORE_MIN_TOKENS + 3, 128, generator=gen), torch.randn(24, generator=gen)
+    assert fp8_linear.choose_path(x.shape[0], x, 16, 64) == fp8_linear.TENSOR_CORE
+    out = mla_fuser.kernels.fp8.block_fp8_linear(x, weight, scale, (16, 64), bias)
+    ref = block_fp8_linear_act_quant_ref(x, weight, scale, 16, 64, bias)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-5), (out - ref).abs().max()
 
 
 def test_dispatch_runs_triton_when_forced(monkeypatch):

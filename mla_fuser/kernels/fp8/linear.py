@@ -9,6 +9,11 @@ Two Triton paths (:mod:`.triton_kernels`), chosen by the number of tokens:
   tensor cores** with the activations quantised per token and ``bk`` features (dynamic scaling), where the GEMM
   is compute-bound and FP8 doubles the tensor-core rate.
 
+Launch configs (tiles, warps, stages, split-K, MMA or GEMV) come from two small tables keyed by token count,
+``W8_CONFIGS`` and ``TC_CONFIGS`` (picked by ``benchmarks/bench_fp8_gemm.py --sweep``), resolved once per shape
+into a cached plan (``w8_plan``, ``tc_plan``): a decode GEMM's host work is a cache lookup, its allocations and
+one launch (two when K is split: the reduction adds the bias and casts).
+
 Torch references: ``block_fp8_linear_ref`` (weight-only, fp32 math: what a model whose FP8 weights were
 dequantised to fp32 computes) and ``block_fp8_linear_act_quant_ref`` (the FP8 path's math, activations quantised
 the same way).  CPU tensors run the weight-only reference; ``MLA_FUSER_BACKEND`` forces a backend
@@ -18,14 +23,15 @@ the same way).  CPU tensors run the weight-only reference; ``MLA_FUSER_BACKEND``
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import cdiv, kernel_op, triton_interpreting, use_triton
+from ..dispatch import cdiv, kernel_op, next_pow2, triton_interpreting, use_triton
 from .format import FP8_DTYPE, FP8_MAX
 from .quant import dequantize_block_fp8, dequantize_token_groups, quantize_token_groups_ref
-from .triton_kernels import act_quant_kernel, fp8_gemm_kernel, w8_gemm_kernel
+from .triton_kernels import act_quant_kernel, fp8_gemm_kernel, splitk_reduce_kernel, w8_gemm_kernel
 
 # tokens from which the FP8 tensor-core path runs (benchmarks/bench_fp8_gemm.py measures both paths at every size)
 FP8_TENSOR_CORE_MIN_TOKENS = 128
@@ -87,84 +93,211 @@ def triton_supported(x: torch.Tensor, block_n: int, block_k: int) -> bool:
     return x.dtype in KERNEL_DTYPES and (block_n <= 0 or _pow2_divisor(block_k, 128) >= 16)
 
 
-def w8_linear_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_k: int, splits: int | None = None,
-                     tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """Weight-only Triton GEMM on ``x2 [M, K]``; ``splits``/``tiles`` override the heuristics (tests, benchmarks)."""
-    m, k = x2.shape
-    n = weight.shape[0]
-    qbn, qbk = (block_n, block_k) if block_n > 0 else (_PER_TENSOR, _PER_TENSOR)
-    if tiles is None:
-        bk = _pow2_divisor(qbk, 128)
-        tiles = (16, 64, bk) if m <= 16 else (32, 64, bk) if m <= 32 else (64, 64, bk) if m <= 64 else \
-            (64, 128, min(bk, 64))
-    bm, bn, bk = tiles
+# ----------------------------------------------------------------------------------------------------------------
+# launch configs: small tables keyed by token count (and weight size), looked up once per shape
+
+
+class W8Config(NamedTuple):
+    """A weight-only launch: ``block_m x block_n x block_k`` tiles (``block_k`` is capped to the largest power of
+    two dividing the quantisation block's ``bk``), Triton's ``warps``/``stages``; split-K aims at ``fill``
+    programs per SM when the output tiles alone give fewer (0: never split); ``dot``: tensor-core MMA on the
+    widened weights, else an fp32 multiply-and-sum (a GEMV, for ``block_m`` 1-4)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    warps: int = 4
+    stages: int = 4
+    fill: int = 2
+    dot: bool = True
+
+
+class TCConfig(NamedTuple):
+    """An FP8 tensor-core launch: tiles (``block_k`` divides the quantisation block's ``bk``), ``group_m`` row
+    tiles walked per column tile (L2 reuse of the weight tile), Triton's ``warps``/``stages``."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    group_m: int = 8
+    warps: int = 8
+    stages: int = 3
+
+
+# ``(max tokens, max N*K, config)``, None = no bound; the first row that fits a call applies.  Picked by
+# ``benchmarks/bench_fp8_gemm.py --sweep`` on an H200 (triton 3.6, CUDA-graph timing; ``fp8_gemm_sweep.json``): at
+# each token count the config with the best geometric-mean time over four shapes (V2-Lite q_proj and kv_a_proj,
+# V3 gate_up and down).  Against each shape's own best: weight-only 1.04x (worst 1.16x, V3 down) at 1 and 16 tokens,
+# 1.10x (worst 1.25x, V2-Lite kv_a) at 64; tensor cores 1.00x at 64, 1.05x at 512, 1.00x at 8192.  At 64 tokens the
+# tensor cores won only on V3 gate_up (97 vs 172 us), so the weight-only path keeps everything below 128 tokens.
+W8_CONFIGS: tuple[tuple[int | None, int | None, W8Config], ...] = (
+    (16, None, W8Config(16, 32, 128, warps=4, stages=3, fill=4)),
+    (None, None, W8Config(64, 128, 128, warps=4, stages=3, fill=4)),
+)
+TC_CONFIGS: tuple[tuple[int | None, int | None, TCConfig], ...] = (
+    (64, None, TCConfig(64, 64, 128, group_m=8, warps=4, stages=4)),
+    (512, None, TCConfig(64, 128, 128, group_m=8, warps=4, stages=4)),
+    (None, None, TCConfig(128, 128, 128, group_m=8, warps=8, stages=3)),
+)
+# split-K: at most this many splits, each at least this many K tiles (a split shorter than the pipeline's depth
+# is mostly prologue)
+MAX_SPLITS, MIN_K_TILES_PER_SPLIT = 16, 2
+_REDUCE_BLOCK = 1024
+
+
+def table_config(table, tokens: int, weight_elems: int):
+    """The first row of ``table`` whose bounds hold ``tokens`` and ``N*K``."""
+    for max_tokens, max_elems, config in table:
+        if (max_tokens is None or tokens <= max_tokens) and (max_elems is None or weight_elems <= max_elems):
+            return config
+    raise ValueError("a config table needs a last row without bounds")
+
+
+def _launcher(kernel, grid, warmup: bool):
+    """``kernel[grid]``, or with ``warmup`` a compile without launching (the benchmark's sweep compiles its
+    configs in threads)."""
+    return functools.partial(kernel.get().warmup, grid=grid) if warmup else kernel[grid]
+
+
+class W8Plan(NamedTuple):
+    config: W8Config
+    splits: int
+    k_per_split: int
+    grid: tuple[int, int, int]
+    reduce_grid: tuple[int]
+    meta: dict  # the kernel's constexprs and launch options
+
+
+@functools.lru_cache(maxsize=1024)
+def w8_plan(m: int, n: int, k: int, block_n: int, block_k: int, dtype: torch.dtype, has_bias: bool,
+            interpreting: bool, device_index: int | None, config: W8Config | None = None,
+            tiles: tuple[int, int, int] | None = None, splits: int | None = None) -> W8Plan:
+    """Everything a weight-only launch needs but its tensors, computed once per shape (a decode step's host work
+    is one cache lookup).  ``config``/``tiles``/``splits`` override the table (tests, the benchmark's sweep);
+    ``device_index`` (None off CUDA) gives the SM count the split is sized by."""
+    qbk = block_k if block_n > 0 else _PER_TENSOR
+    cfg = config or table_config(W8_CONFIGS, m, n * k)
+    if tiles is not None:
+        cfg = cfg._replace(block_m=tiles[0], block_n=tiles[1], block_k=tiles[2])
+    elif config is None:
+        cfg = cfg._replace(block_k=min(cfg.block_k, _pow2_divisor(qbk, 128)))
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if qbk % bk:
         raise ValueError(f"BLOCK_K {bk} must divide the quantisation block {qbk}")
+    k_tiles = cdiv(k, bk)
     grid_mn = cdiv(m, bm) * cdiv(n, bn)
     if splits is None:
         splits = 1
-        if x2.is_cuda:
-            splits = max(1, min(cdiv(2 * _sm_count(x2.device.index or 0), grid_mn), cdiv(k, bk) // 4, 16))
-    k_per_split = cdiv(cdiv(k, splits), bk) * bk
-    splits = cdiv(k, k_per_split)
-    out_dtype = x2.dtype if splits == 1 else torch.float32
-    out = torch.empty((splits, m, n), dtype=out_dtype, device=x2.device)
+        if cfg.fill > 0 and device_index is not None:
+            wanted = cdiv(cfg.fill * _sm_count(device_index), grid_mn)
+            splits = max(1, min(wanted, k_tiles // MIN_K_TILES_PER_SPLIT, MAX_SPLITS))
+    k_per_split = cdiv(k_tiles, max(1, splits)) * bk
+    splits = cdiv(k, k_per_split)  # (no split starts past K)
+    meta = dict(HAS_BIAS=has_bias and splits == 1, EVEN_K=k % bk == 0, DOT=cfg.dot, UPCAST=interpreting,
+                IEEE=dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                num_warps=cfg.warps, num_stages=cfg.stages)
+    return W8Plan(cfg, splits, k_per_split, (cdiv(m, bm), cdiv(n, bn), splits), (cdiv(m * n, _REDUCE_BLOCK),), meta)
+
+
+def w8_linear_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_k: int, splits: int | None = None,
+                     tiles: tuple[int, int, int] | None = None, config: W8Config | None = None,
+                     warmup: bool = False) -> torch.Tensor:
+    """Weight-only Triton GEMM on ``x2 [M, K]``: one kernel, plus the split-K reduction (which adds the bias and
+    casts) when K is split.  ``splits``/``tiles``/``config`` override the table (tests, benchmarks); ``warmup``
+    compiles without launching."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    if not (m and n and k):
+        return block_fp8_linear_ref(x2, weight, scale, block_n, block_k, bias)
+    plan = w8_plan(m, n, k, block_n, block_k, x2.dtype, bias is not None, triton_interpreting(),
+                   x2.device.index if x2.is_cuda else None, config, tiles, splits)
+    qbn, qbk = (block_n, block_k) if block_n > 0 else (_PER_TENSOR, _PER_TENSOR)
     scale2 = scale.reshape(1, 1) if scale.ndim == 0 else scale
-    fused_bias = bias is not None and splits == 1
-    w8_gemm_kernel[(cdiv(m, bm), cdiv(n, bn), splits)](
-        x2, weight, scale2, bias if fused_bias else scale2, out,
-        m, n, k, k_per_split,
-        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
-        scale2.stride(0) if scale.ndim else 0, scale2.stride(1) if scale.ndim else 0,
-        out.stride(0), out.stride(1), out.stride(2),
-        qbn, qbk, scale2.shape[1] - 1 if scale.ndim else 0,
-        HAS_BIAS=fused_bias, UPCAST=triton_interpreting(), IEEE=x2.dtype == torch.float32,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=4 if bn * bm <= 64 * 64 else 8, num_stages=4 if m <= 64 else 3,
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    split = plan.splits > 1
+    dest = torch.empty((plan.splits, m, n), dtype=torch.float32, device=x2.device) if split else out
+    _launcher(w8_gemm_kernel, plan.grid, warmup)(
+        x2, weight, scale2, bias if plan.meta["HAS_BIAS"] else scale2, dest,
+        m, n, k, plan.k_per_split,
+        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), scale2.stride(0), scale2.stride(1),
+        m * n if split else 0, n,
+        qbn, qbk,
+        **plan.meta,
     )
-    if splits == 1:
-        return out[0]
-    total = out.sum(0)
-    if bias is not None:
-        total += bias.to(torch.float32)
-    return total.to(x2.dtype)
+    if split:
+        _launcher(splitk_reduce_kernel, plan.reduce_grid, warmup)(
+            dest, bias if bias is not None else dest, out, m * n, n, plan.splits,
+            HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK,
+        )
+    return out
 
 
 def quantize_token_groups(x2: torch.Tensor, group: int):
-    """Triton per-token-group activation quantisation (``quantize_token_groups_ref``'s twin)."""
+    """Triton per-token-group activation quantisation (``quantize_token_groups_ref``'s twin).  The scales come
+    back as ``[M, groups]`` but are stored group-major (a transposed view): the GEMM reads a tile's rows' scales
+    as one contiguous load."""
     m, k = x2.shape
     groups = cdiv(k, group)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x2.device)
-    s = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
+    s = torch.empty((groups, m), dtype=torch.float32, device=x2.device).t()
     if m:
-        act_quant_kernel[(m, groups)](
-            x2, q, s, k, groups, x2.stride(0), x2.stride(1), q.stride(0), s.stride(0),
-            FP8_MAX=FP8_MAX, TINY=_TINY_SCALE, GROUP=group, GROUP_POW2=1 << (group - 1).bit_length(),
+        pow2 = next_pow2(group)
+        block_g = min(next_pow2(groups), max(1, 1024 // pow2))
+        act_quant_kernel[(m, cdiv(groups, block_g))](
+            x2, q, s, k, groups, x2.stride(0), x2.stride(1), q.stride(0), s.stride(0), s.stride(1),
+            FP8_MAX=FP8_MAX, TINY=_TINY_SCALE, GROUP=group, GROUP_POW2=pow2, BLOCK_G=block_g,
             ROUND_FIRST=triton_interpreting(),
         )
     return q, s
 
 
-def fp8_linear_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_k: int,
-                      tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """FP8 tensor-core Triton GEMM on ``x2 [M, K]`` (activations quantised per token and ``block_k`` features)."""
-    m, k = x2.shape
-    n = weight.shape[0]
-    q, s = quantize_token_groups(x2, block_k)
-    bm, bn, bk = tiles or ((64 if m <= 64 else 128), 128, _pow2_divisor(block_k, 128))
+class TCPlan(NamedTuple):
+    config: TCConfig
+    grid: tuple[int]
+    meta: dict
+
+
+@functools.lru_cache(maxsize=1024)
+def tc_plan(m: int, n: int, k: int, block_n: int, block_k: int, has_bias: bool, interpreting: bool,
+            config: TCConfig | None = None, tiles: tuple[int, int, int] | None = None) -> TCPlan:
+    """The FP8 tensor-core launch for one shape (cached like :func:`w8_plan`)."""
+    cfg = config or table_config(TC_CONFIGS, m, n * k)
+    if tiles is not None:
+        cfg = cfg._replace(block_m=tiles[0], block_n=tiles[1], block_k=tiles[2])
+    elif config is None:
+        cfg = cfg._replace(block_k=min(cfg.block_k, _pow2_divisor(block_k, 128)))
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if block_k % bk:
         raise ValueError(f"BLOCK_K {bk} must divide the quantisation block {block_k}")
+    meta = dict(HAS_BIAS=has_bias, EVEN_K=k % bk == 0, SCALAR_B=block_n % bn == 0, UPCAST=interpreting,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.warps,
+                num_stages=cfg.stages)
+    return TCPlan(cfg, (cdiv(m, bm) * cdiv(n, bn),), meta)
+
+
+def fp8_linear_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_k: int,
+                      tiles: tuple[int, int, int] | None = None, config: TCConfig | None = None,
+                      warmup: bool = False) -> torch.Tensor:
+    """FP8 tensor-core Triton GEMM on ``x2 [M, K]`` (activations quantised per token and ``block_k`` features).
+    ``tiles``/``config`` override the table; ``warmup`` compiles the GEMM without launching anything."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    if not (m and n and k):
+        return block_fp8_linear_act_quant_ref(x2, weight, scale, block_n, block_k, bias)
+    plan = tc_plan(m, n, k, block_n, block_k, bias is not None, triton_interpreting(), config, tiles)
+    if warmup:  # (the operands' values do not matter to a compile)
+        q = torch.empty((m, k), dtype=FP8_DTYPE, device=x2.device)
+        s = torch.empty((cdiv(k, block_k), m), dtype=torch.float32, device=x2.device).t()
+    else:
+        q, s = quantize_token_groups(x2, block_k)
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    grid = (cdiv(m, bm) * cdiv(n, bn),)
-    fp8_gemm_kernel[grid](
+    _launcher(fp8_gemm_kernel, plan.grid, warmup)(
         q, s, weight, scale, bias if bias is not None else scale, out,
         m, n, k,
-        q.stride(0), s.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), scale.stride(1),
-        out.stride(0), out.stride(1),
+        q.stride(0), s.stride(0), s.stride(1), weight.stride(0), weight.stride(1), scale.stride(0), scale.stride(1),
+        out.stride(0),
         block_n, block_k,
-        HAS_BIAS=bias is not None, UPCAST=triton_interpreting(),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-        num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3,
+        **plan.meta,
     )
     return out
 

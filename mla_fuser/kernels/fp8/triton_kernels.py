@@ -1,16 +1,31 @@
-"""The block-FP8 GEMM Triton kernels (launched from :mod:`.linear`, which picks the path and the tiles).
+"""The block-FP8 GEMM Triton kernels (launched from :mod:`.linear`, which picks the path, the tiles and the split).
 
-``w8_gemm_kernel`` (weight-only, any token count, the small-batch path): ``out = x @ dequant(W)^T`` with ``x`` in
-its own dtype; each ``[BLOCK_K, BLOCK_N]`` weight tile is read as e4m3 (one byte per weight: the memory-bound
-decode GEMM reads half of bf16's bytes), widened to ``x``'s dtype (exact: every e4m3 value is a bf16/fp16 value),
-multiplied on the tensor cores and the fp32 partial product scaled per output row (``BLOCK_K`` divides the
-quantisation block's ``bk``, so one K tile lies in one scale column).  Split-K over ``SPLITS`` programs fills the
-GPU when ``N`` alone gives few tiles; the partial sums go to an fp32 ``[SPLITS, M, N]`` buffer summed by the
-caller (deterministic, no atomics).
+``w8_gemm_kernel`` (weight-only, the small-batch path): ``out = x @ dequant(W)^T`` with ``x`` in its own dtype.
+Each weight tile is read as e4m3 (one byte per weight: the memory-bound decode GEMM reads half of bf16's bytes) in
+its natural ``[BLOCK_N, BLOCK_K]`` layout (rows of ``W [N, K]`` are contiguous in K: wide, coalesced loads), widened
+(exact: every e4m3 value is a bf16/fp16 value) and either transposed into a tensor-core MMA (``DOT``) or, for one to
+a few tokens, multiplied and summed in fp32 on the CUDA cores (a GEMV: no MMA padding of one row to 16, no shared
+memory round trip).  The fp32 partial product is scaled per output row (``BLOCK_K`` divides the quantisation
+block's ``bk``, so one K tile lies in one scale column).  Split-K over ``grid[2]`` programs fills the GPU when
+``N`` alone gives few tiles; each split writes its fp32 partial sums to ``[SPLITS, M, N]`` and
+``splitk_reduce_kernel`` adds them in split order (deterministic, no atomics), adds the bias and casts: one extra
+small launch instead of torch's sum, add and cast.
 
 ``act_quant_kernel`` + ``fp8_gemm_kernel`` (the large-batch path): the activations are quantised per token and
 ``bk`` features (dynamic max-abs scaling, like DeepSeek's inference code), then both operands go to the FP8 tensor
-cores and each K tile's product is scaled by ``x_scale[m] * w_scale[n]``.
+cores and each K tile's product is scaled by ``x_scale[m] * w_scale[n]`` (one fused multiply-add per accumulator
+element when the N tile lies in one weight-scale row, ``SCALAR_B``).  Activation scales are stored group-major
+(``[groups, M]``) so that a tile's ``BLOCK_M`` scales are one contiguous load.
+
+Weight rows past ``N`` (and, in the tensor-core GEMM, activation rows past ``M``) are clamped to the last valid row
+instead of masked (the store is masked); the weight-only GEMM masks activation rows past ``M`` instead (at one
+token, 15 of the 16 rows an MMA needs: zero-filled, not fetched).  K is masked only when ``K`` is not a multiple
+of ``BLOCK_K`` (``EVEN_K``).
+
+Compiled for sm_90 (Triton 3.9, on a CPU; not yet timed): the MMA variant's loads are pipelined (``cp.async``),
+the GEMV's are not (occupancy hides their latency: few registers, little shared memory); the tensor-core GEMM
+waits for each K tile's ``wgmma`` before scaling it, so one CTA never overlaps MMA and scaling -- two CTAs per SM
+do (64x128 tiles on 4 warps fit twice), and 128x128 on 4 warps or 128x256 on 8 spill registers.
 
 Interpreter notes (Triton 3.9, checked): it loads and stores ``float8e4nv`` and multiplies e4m3 tiles in
 ``tl.dot``, but multiplies bf16 bit patterns as integers, so ``UPCAST`` widens the operands to fp32 there (off
@@ -19,69 +34,89 @@ when compiled).  Wrapped lazily (``dispatch.LazyJit``): builtins and ``tl.reduce
 
 from __future__ import annotations
 
-from ..dispatch import MAX_COMBINE, LazyJit, tl
+from ..dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, tl
 
 
 @LazyJit
 def w8_gemm_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
     M, N, K, K_PER_SPLIT,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_os, stride_om, stride_on,
-    QBN, QBK, LAST_SK,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_os, stride_om,
+    QBN, QBK,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    scale_rows = s_ptr + (offs_n // QBN) * stride_sn
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = (rows < M)[:, None]
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    w_rows = w_ptr + tl.minimum(cols, N - 1)[:, None] * stride_wn
+    s_rows = s_ptr + (tl.minimum(cols, N - 1) // QBN) * stride_sn
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     k_start = pid_s * K_PER_SPLIT
-    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+    for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        # (a split's last tiles may lie past K: x and w load zeros there, the clamped scale column is harmless)
-        scale = tl.load(scale_rows + tl.minimum(k0 // QBK, LAST_SK) * stride_sk, mask=n_ok, other=0.0)
-        if UPCAST:
-            part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            part = tl.dot(x, w.to(tl.float32), input_precision="ieee")
+        if EVEN_K:
+            x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_ok, other=0.0)
+            w = tl.load(w_rows + offs_k[None, :] * stride_wk)
         else:
-            part = tl.dot(x, w.to(x.dtype))
+            k_ok = offs_k[None, :] < K
+            x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_ok & k_ok, other=0.0)
+            w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=k_ok, other=0.0)
+        scale = tl.load(s_rows + (k0 // QBK) * stride_sk)
+        if not DOT:
+            part = tl.reduce(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2, SUM_COMBINE)
+        elif UPCAST:
+            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        elif IEEE:
+            part = tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(x, tl.trans(w.to(x.dtype)))
         acc += part * scale[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(bias_ptr + tl.minimum(cols, N - 1)).to(tl.float32)[None, :]
+    out = out_ptr + pid_s * stride_os + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@LazyJit
+def splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLITS,
+                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = sum_s part[s] (+ bias)`` over contiguous ``part [SPLITS, M, N]`` fp32 and ``out [M, N]``, in split
+    order (the same result every run)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for s in range(1, SPLITS):
+        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @LazyJit
 def act_quant_kernel(
     x_ptr, q_ptr, s_ptr,
     K, GROUPS,
-    stride_xm, stride_xk, stride_qm, stride_sm,
+    stride_xm, stride_xk, stride_qm, stride_sm, stride_sg,
     FP8_MAX: tl.constexpr, TINY: tl.constexpr, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr,
-    ROUND_FIRST: tl.constexpr,
+    BLOCK_G: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
-    """One program per (token, group of ``GROUP`` features): max-abs scale, e4m3 values.  ``ROUND_FIRST`` (the
-    interpreter only) rounds to the e4m3 grid in fp32 before the conversion: the interpreter's own fp32 -> e4m3
-    conversion drops the carry when rounding crosses a power of two (126.8 becomes 64, not 128)."""
+    """One program per (token, ``BLOCK_G`` groups of ``GROUP`` features): max-abs scale, e4m3 values.
+    ``ROUND_FIRST`` (the interpreter only) rounds to the e4m3 grid in fp32 before the conversion: the interpreter's
+    own fp32 -> e4m3 conversion drops the carry when rounding crosses a power of two (126.8 becomes 64, not 128)."""
     row = tl.program_id(0)
-    g = tl.program_id(1)
-    offs = g * GROUP + tl.arange(0, GROUP_POW2)
-    ok = (offs < K) & (tl.arange(0, GROUP_POW2) < GROUP)
+    groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    cols = tl.arange(0, GROUP_POW2)
+    offs = groups[:, None] * GROUP + cols[None, :]
+    ok = (offs < K) & (cols < GROUP)[None, :]
     x = tl.load(x_ptr + row * stride_xm + offs * stride_xk, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.reduce(tl.abs(x), 0, MAX_COMBINE)
+    amax = tl.reduce(tl.abs(x), 1, MAX_COMBINE)
     scale = tl.maximum(amax / FP8_MAX, TINY)
-    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX), FP8_MAX)
     if ROUND_FIRST:
         # nearest-even on the e4m3 grid, in fp32: the spacing at q is 2**(max(exponent, -6) - 3) (3 mantissa
         # bits, subnormals below 2**-6); adding then subtracting 1.5 * 2**23 spacings makes fp32 round there
@@ -90,20 +125,21 @@ def act_quant_kernel(
         magic = spacing * 12582912.0
         q = (q + magic) - magic
     tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + row * stride_sm + g, scale)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < GROUPS)
 
 
 @LazyJit
 def fp8_gemm_kernel(
     xq_ptr, xs_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
     M, N, K,
-    stride_xm, stride_xsm, stride_wn, stride_wk, stride_sn, stride_sk, stride_om, stride_on,
+    stride_xm, stride_xsm, stride_xsk, stride_wn, stride_wk, stride_sn, stride_sk, stride_om,
     QBN, QBK,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SCALAR_B: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """``out = (xq * xs) @ (W * ws)^T`` on FP8 tensor cores; activation groups are ``QBK`` wide (= the weight's
-    ``bk``), so one K tile has one activation scale per row and one weight scale per column."""
+    ``bk``), so one K tile has one activation scale per row and one weight scale per column (one per tile when
+    ``SCALAR_B``: ``BLOCK_N`` divides ``QBN``).  Programs walk ``GROUP_M`` row tiles per column tile (L2 reuse)."""
     pid = tl.program_id(0)
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -112,27 +148,36 @@ def fp8_gemm_kernel(
     rows_here = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % rows_here
     pid_n = (pid % per_group) // rows_here
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_rows = xq_ptr + tl.minimum(rows, M - 1)[:, None] * stride_xm
+    b_rows = w_ptr + tl.minimum(cols, N - 1)[:, None] * stride_wn
+    a_scales = xs_ptr + tl.minimum(rows, M - 1) * stride_xsm
+    if SCALAR_B:
+        b_scales = s_ptr + (pid_n * BLOCK_N // QBN) * stride_sn
+    else:
+        b_scales = s_ptr + (tl.minimum(cols, N - 1) // QBN) * stride_sn
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        a = tl.load(xq_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        b = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        group = k0 // QBK
-        a_scale = tl.load(xs_ptr + offs_m * stride_xsm + group, mask=m_ok, other=0.0)
-        b_scale = tl.load(s_ptr + (offs_n // QBN) * stride_sn + group * stride_sk, mask=n_ok, other=0.0)
-        if UPCAST:
-            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        if EVEN_K:
+            a = tl.load(a_rows + offs_k[None, :])
+            b = tl.load(b_rows + offs_k[None, :] * stride_wk)
         else:
-            part = tl.dot(a, b)
-        acc += part * a_scale[:, None] * b_scale[None, :]
+            k_ok = offs_k[None, :] < K
+            a = tl.load(a_rows + offs_k[None, :], mask=k_ok, other=0.0)
+            b = tl.load(b_rows + offs_k[None, :] * stride_wk, mask=k_ok, other=0.0)
+        group = k0 // QBK
+        a_scale = tl.load(a_scales + group * stride_xsk)
+        if UPCAST:
+            part = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(a, tl.trans(b))
+        if SCALAR_B:
+            acc += part * (a_scale * tl.load(b_scales + group * stride_sk))[:, None]
+        else:
+            acc += part * a_scale[:, None] * tl.load(b_scales + group * stride_sk)[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(bias_ptr + tl.minimum(cols, N - 1)).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows < M)[:, None] & (cols < N)[None, :])
