@@ -270,6 +270,7 @@ class DecodeGraph:
         if addresses != self._addresses:  # memory moved: no graph of the old layout may be replayed
             for other in self._buckets.values():
                 other.graph = None
+            self._pool = None  # (the dropped graphs' pool goes with them; a capture into its handle would fail)
         if bucket.graph is None:
             self._capture(bucket)
         bucket.ids.copy_(input_ids, non_blocking=True)
