@@ -22,10 +22,14 @@ Everything lands in a JSON file (``--out``).
 ``--fp8-cache`` also times, in the same run and on the same latent quantised per token, ``mla_decode_fp8`` over an
 FP8 cache (``PagedLatentCache(dtype=torch.float8_e4m3fn)``: 592-byte rows, ``kernels.latent_fp8``) and reports its
 speedup over the bf16 kernel (issue 15's target: >= 1.8x at H=16 B=64 L=8192) and its error against the fp32
-reference of the unquantised latent; with ``--sweep`` it sweeps the FP8 kernel's tiles too.  Its GB/s count the FP8
-rows' bytes.  Default output: ``benchmarks/results/mla_decode_fp8_cache.json``.  Typical call::
+reference of the unquantised latent; with ``--sweep`` it also times ``fp8_sweep_configs(H)`` (the FP8 kernel's own
+tiles and variants, each checked against the kernel's torch twin) and records the fastest correct one as
+``fp8_cache.sweep_best`` (``--sweep-fp8-only`` skips the bf16 tile sweep; ``--fp8-config`` forces one FP8 config).
+Its GB/s count the FP8 rows' bytes.  Default output: ``benchmarks/results/mla_decode_fp8_cache.json``.  Typical calls::
 
     python benchmarks/bench_mla_decode_kernel.py --fp8-cache --heads 16 --shapes 64x8192
+    python benchmarks/bench_mla_decode_kernel.py --fp8-cache --sweep --sweep-fp8-only --no-check --no-eager \
+        --heads 16,128 --shapes 64x8192,1x32768 --sweep-shapes 64x8192 --out fp8_sweep.json
 
 ``--dry-run`` runs the whole flow on CPU under Triton's interpreter with tiny shapes (seconds), to
 check the script itself; its numbers mean nothing.
@@ -70,6 +74,11 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny shapes")
     p.add_argument("--fp8-cache", action="store_true",
                    help="also time mla_decode_fp8 over an FP8 (e4m3, per-token scales) cache, vs bf16 in the same run")
+    p.add_argument("--sweep-fp8-only", action="store_true",
+                   help="with --fp8-cache --sweep: sweep the FP8 kernel's configs only, not the bf16 kernel's")
+    p.add_argument("--fp8-config", default=None,
+                   help="force the FP8 kernel's config: BLOCK_H,BLOCK_N,num_warps,num_stages,ctas_per_sm,v_split,"
+                        "shared_cvt 0/1,f16_dots 0/1")
     args = p.parse_args(argv)
     if args.out is None:
         name = "mla_decode_fp8_cache" if args.fp8_cache else "mla_decode_kernel"
@@ -87,6 +96,11 @@ def parse_args(argv=None):
         if not 4 <= len(parts) <= 6:
             p.error("--config needs BLOCK_H,BLOCK_N,num_warps,num_stages[,swap_ab[,ctas_per_sm]]")
         args.config = parts
+    if args.fp8_config:
+        parts = [int(x) for x in args.fp8_config.split(",")]
+        if len(parts) != 8:
+            p.error("--fp8-config needs BLOCK_H,BLOCK_N,num_warps,num_stages,ctas_per_sm,v_split,shared_cvt,f16_dots")
+        args.fp8_config = parts
     return args
 
 
@@ -111,6 +125,48 @@ def sweep_configs(H):
                 C(64, 128, 8, 1, False, cta), C(64, 128, 8, 2, False, cta), C(64, 128, 4, 1, True, cta),
                 C(64, 32, 8, 3, True, cta), C(64, 64, 8, 2, True, cta), C(128, 64, 8, 1, True, cta)]
     return out
+
+
+def fp8_config(block_h, block_n, warps, stages, ctas, v_split, shared_cvt, f16_dots):
+    from mla_fuser.kernels.mla_decode_fp8 import MLADecodeFP8Config
+
+    return MLADecodeFP8Config(block_h, block_n, warps, stages, False, ctas, v_split, bool(shared_cvt), bool(f16_dots))
+
+
+def fp8_sweep_configs(H):
+    """The FP8 kernel's candidates (``mla_decode_fp8.MLADecodeFP8Config``), at most a dozen per H: each costs a
+    compile.  Fields: BLOCK_H, BLOCK_N, warps, stages, programs per SM (sizes the split count), v_split, shared_cvt,
+    f16_dots.  The first is ``default_fp8_config``'s.  Registers / spilled bytes / shared memory in the comments are
+    ptxas's for sm_90a (triton 3.6, compiled offline); num_stages 5 is the first that keeps two cache tiles in
+    flight (the block-table load takes a stage of its own)."""
+    c = fp8_config
+    if H <= 16:
+        return [
+            c(16, 32, 4, 5, 2, 2, 1, 1),  # default, two tiles in flight: 223 regs, 90 KB (H200: 234 us at B64x8k)
+            c(16, 32, 4, 2, 2, 2, 1, 1),  # 219 regs, 0 spilled, 71 KB: 2 programs / SM (248 us)
+            c(16, 32, 4, 2, 2, 1, 1, 1),  # whole value width: 255 regs, 0 spilled
+            c(16, 32, 4, 2, 2, 2, 0, 1),  # second conversion, in the QK operand: 219 regs, 71 KB
+            c(16, 16, 4, 5, 3, 2, 0, 1),  # small tiles, 3 programs / SM: 168 regs, 54 KB
+            c(16, 64, 4, 2, 1, 2, 1, 1),  # 64 tokens: 255 regs, 144 B spilled, 124 KB
+            c(16, 64, 4, 2, 1, 2, 0, 1),  # 255 regs, 136 B spilled, 124 KB
+            c(16, 64, 8, 2, 1, 2, 1, 1),  # 228 regs, 124 KB
+            c(16, 64, 8, 5, 1, 2, 1, 1),  # 232 regs, 161 KB
+            c(16, 128, 8, 2, 1, 2, 0, 1),  # 255 regs, 64 B spilled, 224 KB
+            c(16, 32, 4, 2, 2, 2, 1, 0),  # bf16 dots (e4m3 -> bf16 costs a slow conversion per value): 103 KB
+            c(16, 64, 4, 2, 2, 1, 0, 0),  # the bf16 kernel's tiles, bf16 dots (the first FP8 kernel's choice)
+        ]
+    return [
+        c(64, 32, 8, 5, 1, 2, 1, 1),  # default, two tiles in flight: 96 B spilled, 148 KB (H200: 1108 us at B64x8k)
+        c(64, 32, 8, 2, 1, 2, 1, 1),  # 255 regs, 52 B spilled, 129 KB (1126 us)
+        c(64, 16, 8, 2, 1, 2, 1, 1),  # 0 spilled, 102 KB
+        c(64, 32, 8, 2, 1, 1, 1, 1),  # 716 B spilled
+        c(64, 32, 8, 2, 1, 2, 0, 1),  # 664 B spilled, 142 KB
+        c(64, 32, 8, 2, 1, 2, 1, 0),  # bf16 dots, q read by wgmma from shared memory as in mla_decode: 132 B spilled
+        c(64, 32, 8, 2, 1, 2, 0, 0),  # 36 B spilled, 158 KB
+        c(64, 64, 8, 2, 1, 2, 1, 1),  # 64 tokens (the bf16 kernel's): 2.2 KB spilled, 185 KB
+        c(64, 64, 8, 2, 1, 2, 1, 0),  # 1.9 KB spilled
+        c(32, 32, 8, 2, 1, 2, 1, 1),  # 32-head tiles (mma.sync; the cache re-read from L2 4x at H=128): 0 spilled
+    ]
 
 
 def make_inputs(B, L, H, page_size, device, dtype, gen, ragged=False):
@@ -316,12 +372,15 @@ def check_correctness(device, dtype, heads, page_size, dry, gen):
 
 
 def fp8_case(args, timer, device, sets, bf16_case, scale, copy_gbps, l2, forced):
-    """The FP8-cache row of a case: the same latents (``sets``) quantised per token, timed like the bf16 ones."""
+    """The FP8-cache row of a case: the same latents (``sets``) quantised per token, timed like the bf16 ones;
+    ``forced``: the FP8 config to time instead of the default (``--fp8-config``, else ``--config``'s tiles)."""
     import torch
 
     from mla_fuser.kernels.latent_fp8 import packed_width, quantise_rows
-    from mla_fuser.kernels.mla_decode import MLADecodeConfig, mla_decode_ref
-    from mla_fuser.kernels.mla_decode_fp8 import mla_decode_fp8, mla_decode_fp8_ref, mla_decode_fp8_triton
+    from mla_fuser.kernels.mla_decode import mla_decode_ref
+    from mla_fuser.kernels.mla_decode_fp8 import (
+        default_fp8_config, mla_decode_fp8, mla_decode_fp8_ref, mla_decode_fp8_triton,
+    )
 
     H, B, L = bf16_case["H"], bf16_case["B"], bf16_case["L"]
     width = packed_width(R + ROPE)
@@ -333,22 +392,28 @@ def fp8_case(args, timer, device, sets, bf16_case, scale, copy_gbps, l2, forced)
         for i in range(0, kv.shape[0], 4096):  # in chunks: fp32 temporaries of the largest case are ~1 GB each
             pages[i:i + 4096] = quantise_rows(kv[i:i + 4096, :, :R], kv[i:i + 4096, :, R:])
         fp8_sets.append((q, pages, bt, lens))
-    row = {"bytes_per_token": width, "input_copies": n_copies}
+    row = {"bytes_per_token": width, "input_copies": n_copies,
+           "config": vars(forced or default_fp8_config(H, sets[0][0].dtype))}
     # accuracy on the first set: kernel vs its twin, and vs the fp32 reference of the unquantised latent (a few
     # sequences: the reference is dense)
     q, pages, bt, lens = fp8_sets[0]
     kv = sets[0][1]
     n = min(B, 4)
-    out = mla_decode_fp8(q, pages, bt, lens, scale, R)
     twin = mla_decode_fp8_ref(q[:n], pages, bt[:n], lens[:n], scale, R).float()
     exact = mla_decode_ref(q[:n].float(), kv.float(), bt[:n], lens[:n], scale, R)
-    row["rel_err_vs_twin"] = ((out[:n].float() - twin).norm() / twin.norm()).item()
-    row["rel_err_vs_unquantised_fp32"] = ((out[:n].float() - exact).norm() / exact.norm()).item()
-    row["check_ok"] = bool(torch.isfinite(out).all()) and row["rel_err_vs_twin"] < 1e-2
-    fns = [lambda s=s: mla_decode_fp8(*s, scale, R, num_splits=args.num_splits) for s in fp8_sets]
-    if forced is not None:
+
+    def rel_err(out, ref):
+        return ((out[:n].float() - ref).norm() / ref.norm()).item()
+
+    if forced is None:
+        fns = [lambda s=s: mla_decode_fp8(*s, scale, R, num_splits=args.num_splits) for s in fp8_sets]
+    else:
         fns = [lambda s=s: mla_decode_fp8_triton(*s, scale, R, num_splits=args.num_splits, config=forced)
                for s in fp8_sets]
+    out = fns[0]()
+    row["rel_err_vs_twin"] = rel_err(out, twin)
+    row["rel_err_vs_unquantised_fp32"] = rel_err(out, exact)
+    row["check_ok"] = bool(torch.isfinite(out).all()) and row["rel_err_vs_twin"] < 1e-2
     ms = timer.graph(fns)
     gbps = nbytes / ms / 1e6
     row.update(ms=ms, us=ms * 1e3, GBps=gbps, ratio_to_copy=gbps / copy_gbps, speedup_vs_bf16=bf16_case["ms"] / ms)
@@ -362,22 +427,35 @@ def fp8_case(args, timer, device, sets, bf16_case, scale, copy_gbps, l2, forced)
           f"splits={row.get('num_splits')} regs={row.get('n_regs')} spills={row.get('n_spills')}", flush=True)
     if args.sweep and (not args.sweep_shapes or (B, L) in args.sweep_shapes):
         rows = []
-        cfgs = [c for c in sweep_configs(H) if not c.swap_ab]  # (the FP8 kernel has no swapped form)
-        cfgs += [MLADecodeConfig(16, 128, 4, 2, False, 2), MLADecodeConfig(16, 64, 4, 4, False, 2)] if H <= 16 else []
-        for cfg in cfgs[: args.sweep_max_configs or None]:
+        for cfg in fp8_sweep_configs(H)[: args.sweep_max_configs or None]:
             r = {"config": vars(cfg)}
+            name = (f"{cfg.block_h:3d} {cfg.block_n:3d} w{cfg.num_warps} s{cfg.num_stages} c{cfg.ctas_per_sm} "
+                    f"v{cfg.v_split} {'shared' if cfg.shared_cvt else 'tile  '} {'f16 ' if cfg.f16_dots else 'bf16'}")
             try:
-                ms = timer.graph([lambda s=s: mla_decode_fp8_triton(*s, scale, R, config=cfg) for s in fp8_sets])
+                sweep_fns = [lambda s=s: mla_decode_fp8_triton(*s, scale, R, config=cfg) for s in fp8_sets]
+                r["rel_err_vs_twin"] = rel_err(sweep_fns[0](), twin)
+                r["ok"] = r["rel_err_vs_twin"] < 1e-2  # (NaN fails)
+                ms = timer.graph(sweep_fns)
                 r.update(ms=ms, us=ms * 1e3, GBps=nbytes / ms / 1e6, speedup_vs_bf16=bf16_case["ms"] / ms)
                 r.update(kernel_info())
-                print(f"      fp8 {cfg.block_h:3d} {cfg.block_n:3d} w{cfg.num_warps} s{cfg.num_stages}: {r['us']:8.1f} us "
-                      f"{r['GBps']:6.0f} GB/s {r['speedup_vs_bf16']:.2f}x S={r.get('num_splits')} "
-                      f"regs={r.get('n_regs')} spill={r.get('n_spills')} smem={r.get('shared_bytes')}", flush=True)
+                verdict = "OK" if r["ok"] else f"WRONG (rel_err {r['rel_err_vs_twin']:.1e})"
+                print(f"      fp8 {name}: {r['us']:8.1f} us {r['GBps']:6.0f} GB/s {r['speedup_vs_bf16']:.2f}x bf16 "
+                      f"S={r.get('num_splits')} regs={r.get('n_regs')} spills={r.get('n_spills')} "
+                      f"smem={r.get('shared_bytes')} {verdict}", flush=True)
             except Exception as e:  # e.g. out of shared memory
                 r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                print(f"      fp8 {r['config']}: {r['error'][:120]}", flush=True)
+                print(f"      fp8 {name}: {r['error'][:120]}", flush=True)
             rows.append(r)
         row["sweep"] = rows
+        ok = [r for r in rows if r.get("ok") and "ms" in r]
+        if ok:
+            best = min(ok, key=lambda r: r["ms"])
+            row["sweep_best"] = best
+            c = best["config"]
+            print(f"    fp8 sweep best: {c['block_h']},{c['block_n']},{c['num_warps']},{c['num_stages']},"
+                  f"{c['ctas_per_sm']},{c['v_split']},{int(c['shared_cvt'])},{int(c['f16_dots'])} (--fp8-config) "
+                  f"{best['us']:.1f} us {best['GBps']:.0f} GB/s {best['speedup_vs_bf16']:.2f}x bf16 "
+                  f"({len(ok)}/{len(rows)} ok)", flush=True)
     del fp8_sets
     return row
 
@@ -396,6 +474,8 @@ def main(argv=None):
         os.environ["MLA_FUSER_BACKEND"] = "triton"
         args.heads = sorted({min(h, 20) for h in args.heads})
         args.shapes = [(2, 128), (1, 256)]
+        if args.sweep_shapes:  # (the GPU shapes do not exist here: sweep on the first tiny one)
+            args.sweep_shapes = args.shapes[:1]
         args.graph_replays = 1
     sys.path.insert(0, ROOT)
     import torch
@@ -467,7 +547,7 @@ def main(argv=None):
                 f"wgmma={case.get('wgmma')} cp.async={case.get('cp_async')}",
                 flush=True,
             )
-            if args.sweep and (not args.sweep_shapes or (B, L) in args.sweep_shapes):
+            if args.sweep and not args.sweep_fp8_only and (not args.sweep_shapes or (B, L) in args.sweep_shapes):
                 rows = []
                 cfgs = sweep_configs(H)
                 if args.sweep_max_configs:
@@ -499,7 +579,8 @@ def main(argv=None):
                             print(f"      {r['config']}: {r['error'][:120]}", flush=True)
             if args.fp8_cache:
                 try:
-                    case["fp8_cache"] = fp8_case(args, timer, device, sets, case, scale, copy_gbps, l2, forced)
+                    case["fp8_cache"] = fp8_case(args, timer, device, sets, case, scale, copy_gbps, l2,
+                                                 fp8_config(*args.fp8_config) if args.fp8_config else forced)
                 except Exception as e:  # recorded, so the bf16 numbers of the run survive
                     case["fp8_cache"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                     print(f"    fp8 cache: {case['fp8_cache']['error']}", flush=True)

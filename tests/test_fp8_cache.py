@@ -18,6 +18,10 @@ step whose margin is above that, and report the overall agreement (a floor of 75
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
+import os
+
 import pytest
 import torch
 
@@ -26,8 +30,10 @@ from mla_fuser.cache import PagedLatentCache
 from mla_fuser.compat import cache_keyword
 from mla_fuser.kernels import latent_fp8
 from mla_fuser.kernels.latent_fp8 import FP8_DTYPE, dequantise_rows, packed_width, quantise_rows
-from mla_fuser.kernels.mla_decode import mla_decode_ref
-from mla_fuser.kernels.mla_decode_fp8 import mla_decode_fp8, mla_decode_fp8_ref, mla_decode_fp8_triton
+from mla_fuser.kernels.mla_decode import MLADecodeConfig, default_config, mla_decode_ref
+from mla_fuser.kernels.mla_decode_fp8 import (
+    MLADecodeFP8Config, default_fp8_config, mla_decode_fp8, mla_decode_fp8_ref, mla_decode_fp8_triton,
+)
 from mla_fuser.kernels.paged_cache_ops import paged_append, paged_append_ref, paged_write, paged_write_ref
 from mla_fuser.kernels.paged_cpu import mla_decode_cpu
 
@@ -145,6 +151,121 @@ def test_fp8_decode_kernel_matches_its_twin(interp, dtype, ps, splits, with_star
     else:  # p * scale rounded to bf16 before p @ V, as the bf16 kernel rounds p (tolerance of its own tests)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(cpu.float(), ref.float(), atol=1e-2, rtol=1e-2)
+
+
+# The FP8 kernel's variants and tiles.  Under the interpreter the fp16 dots convert with ``.to`` (the compiled kernel's
+# inline-asm conversion is the same instruction Triton uses; the GPU benchmark checks it against the twin).
+
+
+def _variant_case(gen, v, rope, ps, dtype, q_scale=0.5, row_scales=None):
+    """Four sequences: odd length over page boundaries, 3 tokens, empty, exactly two pages; shuffled pages, a spare
+    page; starts (left padding) inside the first page, on a tile boundary, 0, past the first page."""
+    latent = torch.randn(16, ps, v + rope, generator=gen) * 3.0
+    if row_scales is not None:  # rows of very different sizes (the value-scale normalisation of p)
+        latent = latent * row_scales.view(16, ps, 1)
+    pages = quantise_rows(latent[..., :v], latent[..., v:] if rope else None)
+    table = torch.tensor([[3, 7, 2, 12], [1, 0, 4, 6], [5, 9, 11, 13], [15, 8, 14, 10]], dtype=torch.int32)
+    lens = torch.tensor([3 * ps + 5, 3, 0, 2 * ps], dtype=torch.int32)
+    starts = torch.tensor([4, 0, 0, ps + 1], dtype=torch.int32)
+    q = (torch.randn(4, 5, v + rope, generator=gen) * q_scale).to(dtype)
+    return q, pages, table, lens, starts
+
+
+def _assert_twin(out, ref, dtype):
+    assert out.dtype == ref.dtype and not out[2].any()  # an empty sequence gives zeros
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    else:  # the output rounded to 16 bits, p rounded before p @ V (the bf16 kernel's tests' tolerance)
+        scale = ref.float().abs().amax()
+        torch.testing.assert_close(out.float() / scale, ref.float() / scale, atol=2e-2, rtol=2e-2)
+
+
+VARIANTS = list(itertools.product([1, 2], [False, True], [False, True]))  # v_split, shared_cvt, f16_dots
+
+
+@pytest.mark.parametrize("v_split,shared_cvt,f16_dots", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("v,rope,ps,block_n,splits", [
+    (64, 16, 16, 16, 3),  # tiles inside a page, 3 splits
+    (64, 16, 8, 16, 1),  # pages smaller than the tile: rows look their page up; one split (direct output)
+    (48, 0, 16, 32, None),  # v_dim not a power of two (masked value columns), no rope, 32-token tiles over pages
+])
+def test_fp8_decode_variants_match_twin(interp, v_split, shared_cvt, f16_dots, dtype, v, rope, ps, block_n, splits):
+    gen = torch.Generator().manual_seed(v + ps + block_n)
+    q, pages, table, lens, starts = _variant_case(gen, v, rope, ps, dtype)
+    cfg = MLADecodeFP8Config(16, block_n, 4, 2, v_split=v_split, shared_cvt=shared_cvt, f16_dots=f16_dots)
+    for st in (None, starts):
+        ref = mla_decode_fp8_ref(q, pages, table, lens, 0.3, v, st)
+        out = mla_decode_fp8_triton(q, pages, table, lens, 0.3, v, num_splits=splits, config=cfg, starts=st)
+        _assert_twin(out, ref, dtype)
+
+
+@pytest.mark.parametrize("v_split,shared_cvt", [(1, False), (2, True)])
+@pytest.mark.parametrize("q_scale,rows", [
+    (3e5, None),  # q overflows fp16 (65504) unscaled
+    (1e-6, None),  # q is subnormal in fp16 unscaled
+    (0.5, 1e-5),  # tiny rows: p * s_c (~1e-7) would be subnormal in fp16 without the value-scale unit
+    (0.5, (-3, 3)),  # row scales spanning 1e-3..1e3
+])
+def test_fp8_f16_dots_outside_fp16_range(interp, v_split, shared_cvt, q_scale, rows):
+    """fp16 dots with a bf16 q or cache rows far outside fp16's range: q's per-head power-of-two scaling and p's
+    value-scale unit (the largest row scale so far) keep them as exact as in range."""
+    gen = torch.Generator().manual_seed(11)
+    if isinstance(rows, tuple):
+        rows = 10.0 ** torch.empty(16 * 16).uniform_(*rows, generator=gen)
+    elif rows is not None:
+        rows = torch.full((16 * 16,), rows)
+    q, pages, table, lens, starts = _variant_case(gen, 64, 16, 16, torch.bfloat16, q_scale, rows)
+    cfg = MLADecodeFP8Config(16, 16, 4, 2, v_split=v_split, shared_cvt=shared_cvt, f16_dots=True)
+    scale = 0.3 / q_scale / (1.0 if rows is None else float(rows.max()))  # scores of order 1
+    ref = mla_decode_fp8_ref(q, pages, table, lens, scale, 64, starts)
+    out = mla_decode_fp8_triton(q, pages, table, lens, scale, 64, num_splits=2, config=cfg, starts=starts)
+    assert torch.isfinite(out).all()
+    _assert_twin(out, ref, torch.bfloat16)
+
+
+def _bench_module():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "bench_mla_decode_kernel.py")
+    spec = importlib.util.spec_from_file_location("bench_mla_decode_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("H", [5, 20])
+def test_fp8_default_and_sweep_configs_match_twin(interp, H):
+    """Every config the default table or the benchmark's FP8 sweep can pick (heads per tile clipped to H's), on a
+    case with odd lengths, page boundaries, left padding and the split count each config's plan picks."""
+    sweep = _bench_module().fp8_sweep_configs(128 if H > 16 else 16)
+    assert 0 < len(sweep) <= 12 and all(isinstance(c, MLADecodeFP8Config) for c in sweep)
+    assert sweep[0] == default_fp8_config(128 if H > 16 else 16, torch.bfloat16)
+    gen = torch.Generator().manual_seed(H)
+    q, pages, table, lens, starts = _variant_case(gen, 64, 16, 64, torch.bfloat16)
+    q = q.repeat(1, 4, 1)[:, :H]
+    ref = mla_decode_fp8_ref(q, pages, table, lens, 0.3, 64, starts)
+    for cfg in [default_fp8_config(H, torch.bfloat16), *sweep]:
+        out = mla_decode_fp8_triton(q, pages, table, lens, 0.3, 64, config=cfg, starts=starts)
+        _assert_twin(out, ref, torch.bfloat16)
+
+
+def test_fp8_default_config_table():
+    for H, (block_h, block_n, warps) in {1: (16, 32, 4), 16: (16, 32, 4), 32: (32, 32, 8), 128: (64, 32, 8)}.items():
+        cfg = default_fp8_config(H, torch.bfloat16)
+        assert isinstance(cfg, MLADecodeFP8Config) and isinstance(cfg, MLADecodeConfig)
+        assert (cfg.block_h, cfg.block_n, cfg.num_warps) == (block_h, block_n, warps)
+        assert cfg.f16_dots and cfg.shared_cvt and cfg.v_split == 2
+        assert default_fp8_config(H, torch.float16) == cfg
+    fp32 = default_fp8_config(16, torch.float32)  # the bf16 kernel's fp32 tiles, no variants
+    assert vars(fp32) == dict(vars(default_config(16, torch.float32)), v_split=1, shared_cvt=False, f16_dots=False)
+
+
+def test_fp8_decode_takes_a_plain_tile_config(interp):
+    """A plain ``MLADecodeConfig`` sets the tiles and leaves every variant off."""
+    gen = torch.Generator().manual_seed(3)
+    q, pages, table, lens, starts = _variant_case(gen, 32, 16, 16, torch.float32)
+    out = mla_decode_fp8_triton(q, pages, table, lens, 0.3, 32, config=MLADecodeConfig(16, 16, 4, 2), starts=starts)
+    _assert_twin(out, mla_decode_fp8_ref(q, pages, table, lens, 0.3, 32, starts), torch.float32)
 
 
 def test_fp8_decode_dispatch_and_refusals(monkeypatch, interp):
