@@ -159,6 +159,20 @@ def _launcher(kernel, grid, warmup: bool):
     return functools.partial(kernel.get().warmup, grid=grid) if warmup else kernel[grid]
 
 
+def _resolved(table, m: int, weight_elems: int, qbk: int, config, tiles):
+    """The launch config of one call: ``config`` as given, else the table's row for ``m`` tokens with ``block_k``
+    capped to the quantisation block's power-of-two divisor; ``tiles`` (block m, n, k) override the tiles.  The K
+    tile must divide the quantisation block ``qbk`` (one scale column per K tile)."""
+    cfg = config or table_config(table, m, weight_elems)
+    if tiles is not None:
+        cfg = cfg._replace(block_m=tiles[0], block_n=tiles[1], block_k=tiles[2])
+    elif config is None:
+        cfg = cfg._replace(block_k=min(cfg.block_k, _pow2_divisor(qbk, 128)))
+    if qbk % cfg.block_k:
+        raise ValueError(f"BLOCK_K {cfg.block_k} must divide the quantisation block {qbk}")
+    return cfg
+
+
 class W8Plan(NamedTuple):
     config: W8Config
     splits: int
@@ -176,14 +190,8 @@ def w8_plan(m: int, n: int, k: int, block_n: int, block_k: int, dtype: torch.dty
     is one cache lookup).  ``config``/``tiles``/``splits`` override the table (tests, the benchmark's sweep);
     ``device_index`` (None off CUDA) gives the SM count the split is sized by."""
     qbk = block_k if block_n > 0 else _PER_TENSOR
-    cfg = config or table_config(W8_CONFIGS, m, n * k)
-    if tiles is not None:
-        cfg = cfg._replace(block_m=tiles[0], block_n=tiles[1], block_k=tiles[2])
-    elif config is None:
-        cfg = cfg._replace(block_k=min(cfg.block_k, _pow2_divisor(qbk, 128)))
+    cfg = _resolved(W8_CONFIGS, m, n * k, qbk, config, tiles)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    if qbk % bk:
-        raise ValueError(f"BLOCK_K {bk} must divide the quantisation block {qbk}")
     k_tiles = cdiv(k, bk)
     grid_mn = cdiv(m, bm) * cdiv(n, bn)
     if splits is None:
@@ -261,14 +269,8 @@ class TCPlan(NamedTuple):
 def tc_plan(m: int, n: int, k: int, block_n: int, block_k: int, has_bias: bool, interpreting: bool,
             config: TCConfig | None = None, tiles: tuple[int, int, int] | None = None) -> TCPlan:
     """The FP8 tensor-core launch for one shape (cached like :func:`w8_plan`)."""
-    cfg = config or table_config(TC_CONFIGS, m, n * k)
-    if tiles is not None:
-        cfg = cfg._replace(block_m=tiles[0], block_n=tiles[1], block_k=tiles[2])
-    elif config is None:
-        cfg = cfg._replace(block_k=min(cfg.block_k, _pow2_divisor(block_k, 128)))
+    cfg = _resolved(TC_CONFIGS, m, n * k, block_k, config, tiles)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    if block_k % bk:
-        raise ValueError(f"BLOCK_K {bk} must divide the quantisation block {block_k}")
     meta = dict(HAS_BIAS=has_bias, EVEN_K=k % bk == 0, SCALAR_B=block_n % bn == 0, UPCAST=interpreting,
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.warps,
                 num_stages=cfg.stages)
