@@ -4,8 +4,8 @@
 #   bash benchmarks/gpu_suite.sh                 # every step; results under $OUT (or benchmarks/results/gpu_suite/)
 #   bash benchmarks/gpu_suite.sh tests graph     # only the named steps
 # Steps: tests kernel moe moe_layer ssm model graph generate profile host mamba, and (not in the default set: run
-# them by name) serving modes fp8 fp8_experts fp8_tests.  Each has its own time limit so one slow step cannot
-# eat the others.
+# them by name) serving modes fp8 fp8_sweeps host_generate fp8_experts fp8_tests.  Each has its own time limit so
+# one slow step cannot eat the others.
 set -u
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -39,8 +39,8 @@ want mamba && step 120 python3 benchmarks/bench_mamba_generate.py --layers 8 --p
            --out "$out/mamba2_generate.json"
 want serving && step 420 python3 benchmarks/bench_serving.py --requests 1000 --static-requests 256 --native-requests 32 \
            --out "$out/serving_v2lite.json" --plot "$out/serving_v2lite.png"
-want modes && step 200 env MLA_FUSER_GPU_RESULTS="$out/gpu_generation_modes.json" python3 -m pytest -q -p no:cacheprovider \
-           tests/test_gpu_generation_modes.py tests/test_gpu_continuous_batching.py
+want modes && step 240 env MLA_FUSER_GPU_RESULTS="$out/gpu_generation_modes.json" python3 -m pytest -q -p no:cacheprovider \
+           tests/test_gpu_generation_modes.py tests/test_gpu_continuous_batching.py tests/test_gpu_fp8.py
 want modes && step 300 python3 benchmarks/bench_generate_modes.py --budget-s 150 --out "$out/generate_modes.json"
 want fp8 && step 180 python3 benchmarks/bench_fp8_gemm.py --out "$out/fp8_gemm.json"
 want fp8 && step 90 python3 benchmarks/bench_mla_decode_kernel.py --fp8-cache --out "$out/mla_decode_fp8_cache.json"
@@ -48,6 +48,10 @@ want fp8 && step 150 env MLA_FUSER_GPU_RESULTS="$out/gpu_tests.json" python3 -m 
            tests/test_gpu_fp8.py
 want fp8 && step 240 python3 -m mla_fuser.cli bench --preset deepseek-v2-lite --device cuda --dtype bf16 --generate \
            --fp8-weights --fp8-cache --shapes 1x512,16x4096 --steps 32 --out "$out/model_bench_fp8.json"
+want fp8_sweeps && step 300 python3 benchmarks/bench_fp8_gemm.py --sweep --out "$out/fp8_gemm_sweep.json"
+want fp8_sweeps && step 240 python3 benchmarks/bench_mla_decode_kernel.py --fp8-cache --sweep --sweep-fp8-only --no-check \
+           --no-eager --heads 16,128 --shapes 64x8192,1x32768 --sweep-shapes 64x8192 --out "$out/mla_decode_fp8_sweep.json"
+want host_generate && step 90 python3 benchmarks/profile_host.py --generate --shape 1x512 --out "$out/profile_host_generate.txt"
 want fp8_experts && step 120 python3 benchmarks/bench_fp8_gemm.py --experts --out "$out/fp8_experts.json"
 want fp8_tests && step 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_experts.py \
            tests/test_fp8_cache.py
