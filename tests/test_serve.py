@@ -256,6 +256,32 @@ def test_client_disconnect_cancels_its_request(server, reference):
 
 
 @needs_server
+def test_json_client_that_leaves_cancels_its_request(server, reference):
+    """A non-streaming request whose client hangs up before the answer is cancelled in the engine (logged with its
+    request id, ``CancelOnDisconnect``) instead of generating its 3000 tokens for nobody; a request beside it gets
+    its right answer."""
+    prompt = "beside it"
+    body = json.dumps({"model": MODEL, "prompt": "nobody waits", "max_tokens": 3000, "temperature": 0}).encode()
+    received = server.log_text().count("[Request received]")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=CALL_TIMEOUT) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"X-Request-ID: json-leaves-early\r\nContent-Length: " + str(len(body)).encode()
+                         + b"\r\n\r\n" + body)
+            deadline = time.monotonic() + CALL_TIMEOUT
+            while server.log_text().count("[Request received]") == received:  # the handler has it
+                assert time.monotonic() < deadline, server.log_text()[-3000:]
+                time.sleep(0.1)
+            other = pool.submit(_complete, server.client(), prompt, 20)
+        # (the connection is closed here, with no answer read)
+        assert other.result(timeout=CALL_TIMEOUT) == _expected(reference, _completion_ids(reference, prompt), 20)
+    deadline = time.monotonic() + 15
+    while "request json-leaves-early cancelled" not in server.log_text():
+        assert time.monotonic() < deadline, server.log_text()[-3000:]
+        time.sleep(0.2)
+
+
+@needs_server
 def test_sigterm_finishes_or_cancels_and_exits_0(server, reference):
     """Last (it stops the module's server): SIGTERM with two requests in flight; the short one finishes with its
     right answer, the long one is cut at the 5 s shutdown deadline, and the process exits 0."""

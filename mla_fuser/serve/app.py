@@ -9,6 +9,8 @@ so it cannot serve a fused model.  Its pieces can: this module subclasses three 
 * :class:`CheckedGenerationState`: the generation managers it hands out check each prompt against the model's
   context before anything is queued (HTTP 400), and cancel the engine request of a client that went away.
 * :func:`checked`: endpoint handlers that refuse a non-positive token limit with HTTP 400.
+* :class:`CancelOnDisconnect`: a non-streaming request whose client goes away is cancelled in the engine (Starlette
+  only notices a disconnect while it streams a response; a JSON answer would generate to its end for nobody).
 
 Bad JSON and unknown request fields get Transformers' (FastAPI's) own HTTP 422.  :func:`openai_errors` gives every
 error response the OpenAI API's shape as well, so OpenAI clients show the message, not only the status code.
@@ -153,6 +155,51 @@ class ContextCheckedManager(BaseGenerateManager):
         return getattr(self.inner, name)
 
 
+class CancelOnDisconnect:
+    """ASGI middleware: while a request has not started its response (a non-streaming completion still
+    generating), its client's ``http.disconnect`` cancels the handler task, and :class:`ContextCheckedManager`
+    turns that cancellation into the engine's ``cancel_request`` (pages freed, other requests untouched).  A
+    response already started (a stream) is left to Starlette, which listens for the disconnect itself.  Installed
+    with FastAPI's public ``add_middleware``."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        messages: asyncio.Queue = asyncio.Queue()
+        started = False
+
+        async def send_(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        async def read():  # every message the server gets, in order, for the app; ends at the disconnect
+            while True:
+                message = await receive()
+                await messages.put(message)
+                if message["type"] == "http.disconnect":
+                    return
+
+        handler = asyncio.ensure_future(self.app(scope, messages.get, send_))
+        reader = asyncio.ensure_future(read())
+        try:
+            await asyncio.wait({handler, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if reader.done() and not handler.done() and not started:
+                logger.info("%s %s: the client went away before the response", scope.get("method"),
+                            scope.get("path"))
+                handler.cancel()
+            try:
+                await handler
+            except asyncio.CancelledError:
+                if not reader.done():  # (cancelled from outside, not by the disconnect)
+                    raise
+        finally:
+            reader.cancel()
+
+
 class CheckedGenerationState(GenerationState):
     """Transformers' generation state (one continuous-batching manager, or a sequential one per model) whose
     managers are wrapped in :class:`ContextCheckedManager` for a model of ``context`` positions (None: unchecked)."""
@@ -214,4 +261,5 @@ def build_app(model, processor, name: str, *, continuous_batching: bool = True, 
     chat = checked(ChatCompletionHandler)(**common)
     app = build_server(manager, chat, **accepted_keywords(build_server, {**handlers, "generation_state": state}))
     openai_errors(app)
+    app.add_middleware(CancelOnDisconnect)
     return app, state
