@@ -301,3 +301,20 @@ def test_fp8_on_demand_quantises_expert_stacks(tmp_path):
     ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, plain.eval()(ids).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_fp8_experts_refuse_bad_inputs_like_the_bf16_ones():
+    """The entry points share one check of stacks and routing with the bf16 experts (``check_stacks_and_routing``):
+    float routing ids are refused, not cast; then the FP8-only checks (stack dtype, scale grids)."""
+    (q1, s1, q2, s2), layout = _stacks(4, 32, 16, (16, 16), halves=False)
+    hidden = torch.randn(3, 32)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    weights = torch.rand(3, 2)
+    with pytest.raises(TypeError, match="integer"):
+        fm.fused_experts_fp8_ref(hidden, q1, s1, q2, s2, ids.float(), weights, **layout)
+    with pytest.raises(ValueError, match="topk_weights"):
+        fm.fused_experts_fp8_ref(hidden, q1, s1, q2, s2, ids, weights[:, :1], **layout)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        fm.fused_experts_fp8_ref(hidden, q1.float(), s1, q2, s2, ids, weights, **layout)
+    with pytest.raises(ValueError, match="gate_up_scale"):
+        fm.fused_experts_fp8_ref(hidden, q1, s1[:2], q2, s2, ids, weights, **layout)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..fp8.format import FP8_DTYPE
-from .reference import _apply_activation_ref
+from .reference import _apply_activation_ref, check_stacks_and_routing
 
 
 def _expand(scale: torch.Tensor, rows: int, cols: int, bn: int, bk: int) -> torch.Tensor:
@@ -40,25 +40,14 @@ def dequantize_expert(weight: torch.Tensor, scale: torch.Tensor, block: tuple[in
 
 
 def check_fp8_shapes(hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights):
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must be [T, H], got {tuple(hidden.shape)}")
-    num_tokens, hidden_size = hidden.shape
-    if gate_up_w.dim() != 3 or gate_up_w.shape[2] != hidden_size or gate_up_w.shape[1] % 2:
-        raise ValueError(f"gate_up_w must be [E, 2I, H={hidden_size}], got {tuple(gate_up_w.shape)}")
-    num_experts, two_inter, _ = gate_up_w.shape
-    inter = two_inter // 2
-    if tuple(down_w.shape) != (num_experts, hidden_size, inter):
-        raise ValueError(f"down_w must be [E, H, I]={(num_experts, hidden_size, inter)}, got {tuple(down_w.shape)}")
+    dims = check_stacks_and_routing(hidden, gate_up_w, down_w, topk_ids, topk_weights)
+    num_experts = dims[2]
     if gate_up_w.dtype != FP8_DTYPE or down_w.dtype != FP8_DTYPE:
         raise TypeError(f"FP8 experts need float8_e4m3fn stacks, got {gate_up_w.dtype} / {down_w.dtype}")
     for name, s in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale)):
         if s.dim() != 3 or s.shape[0] != num_experts or s.dtype != torch.float32:
             raise ValueError(f"{name} must be fp32 [E={num_experts}, rows, cols], got {s.dtype} {tuple(s.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids must be [T={num_tokens}, K], got {tuple(topk_ids.shape)}")
-    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"topk_weights must be {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
-    return num_tokens, hidden_size, num_experts, inter, topk_ids.shape[1]
+    return dims
 
 
 def fused_experts_fp8_ref(

@@ -35,7 +35,9 @@ def _apply_activation_ref(x: torch.Tensor, activation: str) -> torch.Tensor:
     return torch.relu(x)
 
 
-def check_shapes(hidden, gate_up_w, down_w, topk_ids, topk_weights, gate_up_bias, down_bias):
+def check_stacks_and_routing(hidden, gate_up_w, down_w, topk_ids, topk_weights):
+    """``(T, H, E, I, K)`` after checking what every experts entry point takes: ``hidden [T, H]``, stacks
+    ``gate_up_w [E, 2I, H]`` / ``down_w [E, H, I]``, integer ``topk_ids [T, K]`` and ``topk_weights`` of its shape."""
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [T, H], got {tuple(hidden.shape)}")
     num_tokens, hidden_size = hidden.shape
@@ -51,13 +53,19 @@ def check_shapes(hidden, gate_up_w, down_w, topk_ids, topk_weights, gate_up_bias
         raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"topk_weights must be {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
-    if gate_up_bias is not None and tuple(gate_up_bias.shape) != (num_experts, two_inter):
+    return num_tokens, hidden_size, num_experts, inter, topk_ids.shape[1]
+
+
+def check_shapes(hidden, gate_up_w, down_w, topk_ids, topk_weights, gate_up_bias, down_bias):
+    dims = check_stacks_and_routing(hidden, gate_up_w, down_w, topk_ids, topk_weights)
+    _, hidden_size, num_experts, inter, _ = dims
+    if gate_up_bias is not None and tuple(gate_up_bias.shape) != (num_experts, 2 * inter):
         raise ValueError(f"gate_up_bias must be [E, 2I], got {tuple(gate_up_bias.shape)}")
     if down_bias is not None and tuple(down_bias.shape) != (num_experts, hidden_size):
         raise ValueError(f"down_bias must be [E, H], got {tuple(down_bias.shape)}")
     if down_w.dtype != gate_up_w.dtype:
         raise TypeError(f"gate_up_w ({gate_up_w.dtype}) and down_w ({down_w.dtype}) must share a dtype")
-    return num_tokens, hidden_size, num_experts, inter, topk_ids.shape[1]
+    return dims
 
 
 def fused_experts_ref(
