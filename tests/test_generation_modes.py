@@ -342,3 +342,31 @@ def test_divergence_gap_is_natives_own_margin_on_right_padded_rows(pair):
     gaps = divergence_gaps(native, swapped, mask, ids.shape[1], [step, 6, 6], new)
     margin = ((top2.values[0] - top2.values[1]) / scores.abs().max()).item()
     assert len(gaps) == 1 and gaps[0] == pytest.approx(margin, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("implementation", [None, "static"])
+def test_a_forward_the_caller_compiled_runs_over_a_static_paged_cache_not_our_graph(pair, graphed, implementation):
+    """``model.forward = torch.compile(model.forward, ...)`` (a common habit): our graph would capture around the
+    compiled forward (a compile, or its own CUDA graphs with mode="reduce-overhead", cannot run inside a capture),
+    so the plan leaves the steps to it, over a static paged cache (fixed addresses), and says so; tokens are
+    native's.  (Here the ``eager`` backend: tracing only, the CPU stand-in.)"""
+    import torch._dynamo
+
+    from mla_fuser.runtime.generate import COMPILED_BY_CALLER
+
+    native, _ = pair
+    fused = tiny_deepseek(attn="vllm_mla")
+    mla_fuser.fuse(fused)
+    ids, mask = left_padded_prompts([9, 12], seed=3)
+    kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    torch._dynamo.reset()
+    try:
+        fused.forward = torch.compile(fused.forward, backend="eager")
+        extra = {} if implementation is None else {"cache_implementation": implementation}
+        out = fused.generate(ids, **kw, **extra)
+    finally:
+        torch._dynamo.reset()
+    plan = last_generate_plan(fused)
+    assert not plan.graphed and plan.reason == COMPILED_BY_CALLER
+    assert isinstance(plan.cache, PagedLatentCache) and plan.cache.static
+    assert torch.equal(out, native.generate(ids, **kw))

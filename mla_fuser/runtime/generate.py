@@ -5,10 +5,11 @@
 * the **graph plan** (:func:`plan_generate`): on CUDA, decode steps replay a CUDA graph (:class:`GraphedForward`
   over a static paged cache, or over Transformers' own cache of a Mamba model whose layers all keep fixed-size
   states) for greedy, sampling, beam search and the verification steps of assisted and prompt-lookup decoding
-  (several tokens per step, graphed per bucket of token counts), unpadded or with any padding, with no cache given, a static
-  ``PagedLatentCache`` or an empty ``DynamicCache`` the caller passes (converted, and filled at the end), or
-  ``cache_implementation="static"`` / ``"dynamic"``; every other call runs eagerly, the reason kept in
-  :func:`last_generate_plan`.  ``MLA_FUSER_CUDA_GRAPHS=0`` turns graphs off;
+  (several tokens per step, graphed per bucket of token counts), unpadded or with any padding, with no cache given,
+  a static ``PagedLatentCache`` or an empty ``DynamicCache`` the caller passes (converted, and filled at the end),
+  or ``cache_implementation="static"`` / ``"dynamic"``; a forward the caller compiled runs its own compiled steps
+  over a static paged cache; every other call runs eagerly, the reason kept in :func:`last_generate_plan`.
+  ``MLA_FUSER_CUDA_GRAPHS=0`` turns graphs off;
 * the **experts implementation**: experts the MoE fuser switched stay on the fused kernel through ``generate``'s
   decode-time swap to ``batched_mm`` (``fusers.moe.keep_fused_experts``); a user's own choice still wins.
 
@@ -141,6 +142,8 @@ def plan_generate(model, args, kwargs, paged: bool, states_only: bool) -> Genera
     user = next(((k, kwargs[k]) for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
     implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
     shape = call_shape(model, args, kwargs)
+    if caller_compiled_forward(model):
+        return _plan_for_compiled_forward(model, shape, user, implementation)
     reason = shape.reason or ("" if graphs else "no CUDA graphs here (CPU, MLA_FUSER_CUDA_GRAPHS=0 or capturing)")
     if user is None and implementation is None:
         if reason:
@@ -155,6 +158,32 @@ def plan_generate(model, args, kwargs, paged: bool, states_only: bool) -> Genera
         cache = PagedLatentCache.static_for(model, shape.batch, shape.max_seq_len)
         return _graphed(model, cache, shape, overrides={"cache_implementation": None})
     return _plan_for_callers_cache(model, user[1], shape)
+
+
+COMPILED_BY_CALLER = ("the caller compiled the model's forward (torch.compile): its own compiled steps run (with "
+                      "mode='reduce-overhead', its own CUDA graphs); ours would capture around them")
+
+
+def caller_compiled_forward(model) -> bool:
+    """Whether the instance's ``forward`` is a ``torch.compile`` of it (``model.forward = torch.compile(
+    model.forward, ...)``, a common habit): such a forward is not captured inside our graph (a compile or its own
+    CUDA-graph recording cannot run inside a capture)."""
+    forward = model.__dict__.get("forward")
+    return forward is not None and (hasattr(forward, "_torchdynamo_orig_callable")
+                                    or bool(getattr(forward, "_is_torch_compile", False)))
+
+
+def _plan_for_compiled_forward(model, shape: "CallShape", user, implementation) -> GeneratePlan:
+    """The caller's compiled forward runs every step.  With no cache chosen (or ``cache_implementation="static"``),
+    over a static paged cache: fixed addresses, as a compiled forward's CUDA graphs need; else as the caller asked."""
+    if user is not None or (implementation is not None and implementation not in GRAPHED_CACHE_IMPLEMENTATIONS):
+        return GeneratePlan(reason=COMPILED_BY_CALLER)
+    overrides = {"cache_implementation": None} if implementation is not None else {}
+    if shape.reason:  # (nothing to size a static cache by, or a strategy our plan leaves as it is)
+        return GeneratePlan(PagedLatentCache(model), reason=f"{COMPILED_BY_CALLER}; {shape.reason}",
+                            overrides=overrides)
+    cache = PagedLatentCache.static_for(model, shape.batch, shape.max_seq_len)
+    return GeneratePlan(cache, reason=COMPILED_BY_CALLER, overrides=overrides)
 
 
 def _plan_for_callers_cache(model, cache, shape: "CallShape") -> GeneratePlan:
