@@ -3,7 +3,8 @@
 Modes (DeepSeek-V2-Lite preset, bf16, CUDA; B x prompt length):
 
     greedy          B=16 L=1024, graphed (the fast path before issue 14)
-    greedy_eager    the same with MLA_FUSER_CUDA_GRAPHS=0 (fused only: native's row is ``greedy``'s)
+    greedy_eager    the same inside ``mla_fuser.runtime.eager_decode()`` (fused only: native's row is
+                    ``greedy``'s)
     left_padded     B=16 L=1024, rows of 1024 - 16 i tokens, padded on the left
     right_padded    the same prompts padded on the right (target: <= 1.3x left_padded)
     beam4           B=4 L=1024, 4 beams (target: <= 8 ms/step)
@@ -18,8 +19,7 @@ A step's time is the median gap between consecutive calls of a logits processor 
 stop check), after the first three steps (an eager step that compiles new kernel variants, the capture of a graphed
 call); the prefill is not timed, so no warm-up call is needed.  The fused row also records whether the plan was
 graphed, its captures and, when not, why.
-``MLA_FUSER_CUDA_GRAPHS`` is set in this process's environment around the ``greedy_eager`` call only (the library
-reads it at every call and never writes it).
+``greedy_eager`` turns the graphs off with ``eager_decode()`` around its call (no environment variable is written).
 
     python benchmarks/bench_generate_modes.py                      # H200: ~2-3 minutes with both models
     python benchmarks/bench_generate_modes.py --dry-run            # tiny preset on CPU, seconds
@@ -89,25 +89,9 @@ def prompts(batch: int, length: int, vocab: int, padding: str | None, device):
     return ids.to(device), mask.to(device)
 
 
-@contextlib.contextmanager
-def environment(name: str, value: str | None):
-    """``name=value`` in this benchmark process for the block (None: leave the environment as it is)."""
-    if value is None:
-        yield
-        return
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = previous
-
-
 def mode_call(mode: str, model, fused: bool, batch: int, length: int, device):
-    """``(ids, generate kwargs, environment override)`` of one mode for one model (the caches are made per call)."""
+    """``(ids, generate kwargs, context of the call, cache factory, cache keyword)`` of one mode for one model (the
+    caches are made per call)."""
     from transformers import DynamicCache, StaticCache
 
     from mla_fuser.cache import PagedLatentCache
@@ -120,7 +104,9 @@ def mode_call(mode: str, model, fused: bool, batch: int, length: int, device):
     if mode == "prompt_lookup":  # a prompt of repeated 64-token pieces, so that every lookup finds candidates
         ids = ids[:, :64].repeat(1, length // 64 + 1)[:, :length]
     kw = dict(attention_mask=mask, do_sample=False)
-    env = ("MLA_FUSER_CUDA_GRAPHS", "0") if mode == "greedy_eager" else (None, None)
+    from mla_fuser.runtime import eager_decode
+
+    context = eager_decode if mode == "greedy_eager" else contextlib.nullcontext
     if mode == "beam4":
         kw["num_beams"] = 4
     elif mode == "sample_top_p":
@@ -139,7 +125,7 @@ def mode_call(mode: str, model, fused: bool, batch: int, length: int, device):
 
     if mode == "static_cache":
         kw["disable_compile"] = True
-    return ids, kw, env, cache, cache_keyword(model)
+    return ids, kw, context, cache, cache_keyword(model)
 
 
 def timed_generate(model, ids, kw, new_tokens, cache, keyword, sync):
@@ -165,11 +151,11 @@ def timed_generate(model, ids, kw, new_tokens, cache, keyword, sync):
 def measure(mode, model, fused, args, device, sync):
     from mla_fuser.runtime.generate import last_generate_plan
 
-    ids, kw, (name, value), cache, keyword = mode_call(mode, model, fused, args.batch, args.prompt, device)
+    ids, kw, context, cache, keyword = mode_call(mode, model, fused, args.batch, args.prompt, device)
     forwards = []
     hook = model.register_forward_pre_hook(lambda *_: forwards.append(time.perf_counter()))
     try:
-        with environment(name, value), torch.no_grad():
+        with context(), torch.no_grad():
             torch.manual_seed(0)
             t0 = time.perf_counter()
             out, gaps = timed_generate(model, ids, kw, args.steps, cache, keyword, sync)

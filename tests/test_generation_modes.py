@@ -370,3 +370,30 @@ def test_a_forward_the_caller_compiled_runs_over_a_static_paged_cache_not_our_gr
     assert not plan.graphed and plan.reason == COMPILED_BY_CALLER
     assert isinstance(plan.cache, PagedLatentCache) and plan.cache.static
     assert torch.equal(out, native.generate(ids, **kw))
+
+
+def test_eager_decode_turns_the_graphs_off_for_its_block_only(pair, monkeypatch):
+    """``mla_fuser.runtime.eager_decode()``: what ``MLA_FUSER_CUDA_GRAPHS=0`` does, for one block and one thread,
+    without writing the environment; the plan says why its steps ran eagerly."""
+    import threading
+
+    from mla_fuser.runtime import eager_decode
+
+    _, fused = pair
+    monkeypatch.setattr(runtime_generate, "graphs_possible",
+                        lambda model: runtime_generate.cuda_graphs_wanted())  # (a CPU: as on CUDA otherwise)
+    ids, mask = left_padded_prompts([9, 12], seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=9, min_new_tokens=9, do_sample=False)
+    seen_elsewhere = []
+    with eager_decode():
+        assert not runtime_generate.cuda_graphs_wanted()
+        other = threading.Thread(target=lambda: seen_elsewhere.append(runtime_generate.cuda_graphs_wanted()))
+        other.start()
+        other.join(timeout=30)
+        eager = fused.generate(ids, **kw)
+        assert not last_generate_plan(fused).graphed and "eager_decode()" in last_generate_plan(fused).reason
+    assert seen_elsewhere == [True]
+    assert runtime_generate.cuda_graphs_wanted()
+    graphed = fused.generate(ids, **kw)
+    assert last_generate_plan(fused).graphed
+    assert torch.equal(eager, graphed)

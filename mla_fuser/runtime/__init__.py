@@ -4,6 +4,6 @@ CUDA-graph replay of decode steps it uses.  Above the cache, the attention inter
 
 from .continuous_batching import extend_continuous_batching
 from .decode_graph import DecodeGraph
-from .generate import GraphedForward, extend_generate
+from .generate import GraphedForward, eager_decode, extend_generate
 
-__all__ = ["DecodeGraph", "GraphedForward", "extend_continuous_batching", "extend_generate"]
+__all__ = ["DecodeGraph", "GraphedForward", "eager_decode", "extend_continuous_batching", "extend_generate"]

@@ -20,6 +20,7 @@ Transformers' ``StaticCache`` object, ``use_cache=False``) is passed through as 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import types
 import weakref
@@ -144,7 +145,8 @@ def plan_generate(model, args, kwargs, paged: bool, states_only: bool) -> Genera
     shape = call_shape(model, args, kwargs)
     if caller_compiled_forward(model):
         return _plan_for_compiled_forward(model, shape, user, implementation)
-    reason = shape.reason or ("" if graphs else "no CUDA graphs here (CPU, MLA_FUSER_CUDA_GRAPHS=0 or capturing)")
+    reason = shape.reason or ("" if graphs else "no CUDA graphs here (CPU, MLA_FUSER_CUDA_GRAPHS=0, eager_decode() "
+                                                "or capturing)")
     if user is None and implementation is None:
         if reason:
             return GeneratePlan(PagedLatentCache(model), reason=reason)
@@ -265,9 +267,25 @@ def graphs_possible(model) -> bool:
     return device.type == "cuda" and cuda_graphs_wanted() and not torch.cuda.is_current_stream_capturing()
 
 
+_NO_CUDA_GRAPHS = contextvars.ContextVar("mla_fuser_no_cuda_graphs", default=False)
+
+
+@contextlib.contextmanager
+def eager_decode():
+    """Within it, ``generate`` of a fused model runs its decode steps eagerly, for this thread / task only: what
+    ``MLA_FUSER_CUDA_GRAPHS=0`` does for the whole process, without touching the environment (a benchmark's eager
+    row, a debugging session)."""
+    token = _NO_CUDA_GRAPHS.set(True)
+    try:
+        yield
+    finally:
+        _NO_CUDA_GRAPHS.reset(token)
+
+
 def cuda_graphs_wanted() -> bool:
-    """``MLA_FUSER_CUDA_GRAPHS=0`` turns the graphed decode of ``generate`` off."""
-    return envs.cuda_graphs_enabled()
+    """``MLA_FUSER_CUDA_GRAPHS=0`` (the process) or :func:`eager_decode` (a block) turns the graphed decode of
+    ``generate`` off."""
+    return envs.cuda_graphs_enabled() and not _NO_CUDA_GRAPHS.get()
 
 
 class GraphedForward:
