@@ -479,6 +479,40 @@ def choose_num_splits(
 # Launcher
 # --------------------------------------------------------------------------------------------
 
+
+def split_partials(out: torch.Tensor, num_splits: int, width: int):
+    """``(o_part, lse, o_part strides, lse strides)`` a stage 1 of ``num_splits`` splits writes into: fp32
+    ``[B, H, S, width]`` partials and ``[B, H, S]`` log-sum-exps, or, with one split (the kernel writes ``out``
+    directly), ``out`` itself as unused pointer placeholders with zero strides.  Shared by every latent decode
+    launcher (this one, ``mla_decode_split``, ``mla_decode_fp8``), as is :func:`merge_splits`."""
+    if num_splits == 1:
+        return out, out, (0, 0, 0), (0, 0)
+    B, H = out.shape[0], out.shape[1]
+    o_part = out.new_empty((B, H, num_splits, width), dtype=torch.float32)
+    lse = out.new_empty((B, H, num_splits), dtype=torch.float32)
+    return o_part, lse, o_part.stride()[:3], lse.stride()[:2]
+
+
+def merge_splits(o_part, lse, out, width: int, num_splits: int, sp, sl, block_s: int, block_vc: int) -> None:
+    """Stage 2: the splits' partials merged into ``out`` (nothing to do with one split).  Up to 128 splits are merged
+    in one load round; the v chunk shrinks as splits grow so a program's tile stays <= 8K fp32 (64 registers/thread
+    at 4 warps): ``_launch_plan``."""
+    if num_splits == 1:
+        return
+    out_st = out.stride()
+    _mla_decode_stage2[(cdiv(width, block_vc), out.shape[1], out.shape[0])](
+        o_part, lse, out, width, num_splits, *sp, *sl, out_st[0], out_st[1],
+        BLOCK_S=block_s, BLOCK_VC=block_vc, num_warps=4,
+    )  # fmt: skip
+
+
+def dot_mode(dtype: torch.dtype) -> tuple[str, bool]:
+    """``(input_precision, upcast)`` of a launcher's ``tl.dot``s for q of ``dtype``.  Triton 3.9's interpreter
+    computes bf16 ``tl.dot`` wrongly (garbage magnitudes), so under the interpreter bf16 operands are upcast to fp32
+    after loading (p still rounded to bf16 first); compiled kernels never take this path."""
+    upcast = dtype == torch.bfloat16 and triton_interpreting()
+    return ("ieee" if (dtype == torch.float32 or upcast) else "tf32"), upcast
+
 # What the last Triton launch used (stage-1 compiled kernel, split count, tiles): for benchmarks
 # (registers / spills via ``LAST_LAUNCH["stage1"].n_regs``), never read by the kernels.
 LAST_LAUNCH: dict = {}
@@ -568,22 +602,8 @@ def mla_decode_triton(
     cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc = launch_plan(
         q, v_dim, page_size, max_pages, config, num_splits)
     direct = num_splits == 1
-
-    if direct:
-        o_part = lse = out  # unused placeholders (pointer args must be tensors)
-        sp = (0, 0, 0)
-        sl = (0, 0)
-    else:
-        o_part = q.new_empty((B, H, num_splits, v_dim), dtype=torch.float32)
-        lse = q.new_empty((B, H, num_splits), dtype=torch.float32)
-        sp = o_part.stride()[:3]
-        sl = lse.stride()[:2]
-
-    # Triton 3.9's interpreter computes bf16 tl.dot wrongly (garbage magnitudes), so under the
-    # interpreter bf16 operands are upcast to fp32 after loading (p still rounded to bf16 first).
-    # Compiled kernels never take this path.
-    dot_upcast = q.dtype == torch.bfloat16 and triton_interpreting()
-    dot_precision = "ieee" if (q.dtype == torch.float32 or dot_upcast) else "tf32"
+    o_part, lse, sp, sl = split_partials(out, num_splits, v_dim)
+    dot_precision, dot_upcast = dot_mode(q.dtype)
     grid = (head_tiles, num_splits, B)
     q_st, kv_st, out_st = q.stride(), kv_pages.stride(), out.stride()  # (one call each: per eager call)
     k1 = _mla_decode_stage1[grid](
@@ -628,24 +648,7 @@ def mla_decode_triton(
     )
     LAST_LAUNCH.clear()
     LAST_LAUNCH.update(stage1=k1, num_splits=num_splits, block_h=block_h, block_n=block_n, per_row_pages=per_row)
-    if not direct:
-        # Up to 128 splits merged in one load round; the v chunk shrinks as splits grow so a
-        # program's tile stays <= 8K fp32 (64 registers/thread at 4 warps): ``_launch_plan``.
-        grid2 = (cdiv(v_dim, block_vc), H, B)
-        _mla_decode_stage2[grid2](
-            o_part,
-            lse,
-            out,
-            v_dim,
-            num_splits,
-            *sp,
-            *sl,
-            out_st[0],
-            out_st[1],
-            BLOCK_S=block_s,
-            BLOCK_VC=block_vc,
-            num_warps=4,
-        )
+    merge_splits(o_part, lse, out, v_dim, num_splits, sp, sl, block_s, block_vc)
     return out
 
 

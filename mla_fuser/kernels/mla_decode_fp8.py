@@ -43,11 +43,12 @@ from dataclasses import dataclass
 import torch
 
 from .dispatch import (
-    MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, kernel_op, tl, triton_interpreting, use_triton,
+    MAX_COMBINE, SUM_COMBINE, LazyJit, kernel_op, tl, triton_interpreting, use_triton,
 )
 from .latent_fp8 import FP8_DTYPE, dequantise_rows, packed_width, scale_column
 from .mla_decode import (
-    _LOG2E, LAST_LAUNCH, MLADecodeConfig, _mla_decode_stage2, default_config, launch_plan, mla_decode_ref,
+    _LOG2E, LAST_LAUNCH, MLADecodeConfig, default_config, dot_mode, launch_plan, merge_splits, mla_decode_ref,
+    split_partials,
 )
 from .paged_cpu import mla_decode_cpu
 
@@ -342,16 +343,8 @@ def mla_decode_fp8_triton(q, kv_pages, block_table, seq_lens, scale, v_dim, num_
     f16_dots = bool(getattr(cfg, "f16_dots", False)) and q.dtype != torch.float32
     asm_cvt = f16_dots and not triton_interpreting()
     direct = num_splits == 1
-    if direct:
-        o_part = lse = out
-        sp, sl = (0, 0, 0), (0, 0)
-    else:
-        o_part = torch.empty((B, H, num_splits, v_dim), device=q.device, dtype=torch.float32)
-        lse = torch.empty((B, H, num_splits), device=q.device, dtype=torch.float32)
-        sp, sl = o_part.stride()[:3], lse.stride()[:2]
-    # as in mla_decode: the interpreter's bf16 tl.dot is broken, so bf16 operands are upcast there only
-    dot_upcast = triton_interpreting() and q.dtype == torch.bfloat16
-    dot_precision = "ieee" if (q.dtype == torch.float32 or dot_upcast) else "tf32"
+    o_part, lse, sp, sl = split_partials(out, num_splits, v_dim)
+    dot_precision, dot_upcast = dot_mode(q.dtype)
     scales = kv_pages.view(torch.float32)  # the same memory, fp32 elements: the scale columns
     k1 = _mla_decode_fp8_stage1[(head_tiles, num_splits, B)](
         q, kv_pages, scales, block_table, seq_lens, starts if starts is not None else seq_lens, o_part, lse, out,
@@ -367,11 +360,7 @@ def mla_decode_fp8_triton(q, kv_pages, block_table, seq_lens, scale, v_dim, num_
     LAST_LAUNCH.clear()
     LAST_LAUNCH.update(stage1=k1, num_splits=num_splits, block_h=block_h, block_n=block_n, per_row_pages=per_row,
                        v_split=v_split, shared_cvt=shared_cvt, f16_dots=f16_dots)
-    if not direct:
-        _mla_decode_stage2[(cdiv(v_dim, block_vc), H, B)](
-            o_part, lse, out, v_dim, num_splits, *sp, *sl, out.stride(0), out.stride(1),
-            BLOCK_S=block_s, BLOCK_VC=block_vc, num_warps=4,
-        )  # fmt: skip
+    merge_splits(o_part, lse, out, v_dim, num_splits, sp, sl, block_s, block_vc)
     return out
 
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, next_pow2, tl, triton_interpreting, use_triton
-from .mla_decode import _LOG2E, _mla_decode_stage2, _tile_n, default_config, launch_plan, mla_decode_ref
+from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, next_pow2, tl, use_triton
+from .mla_decode import (
+    _LOG2E, _tile_n, default_config, dot_mode, launch_plan, merge_splits, mla_decode_ref, split_partials,
+)
 
 __all__ = ["split_rows_supported", "mla_decode_split_rows", "mla_decode_split_rows_ref", "join_split_rows"]
 
@@ -151,15 +153,8 @@ def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, sca
     cfg, block_h, block_n, _, _, _, head_tiles, num_splits, block_s, block_vc = launch_plan(
         q, rank, block_n, cdiv(max(1, slots.shape[-1]), block_n), None, num_splits)
     direct = num_splits == 1
-    if direct:
-        o_part = lse = out
-        sp, sl = (0, 0, 0), (0, 0)
-    else:
-        o_part = torch.empty((B, H, num_splits, rank), device=q.device, dtype=torch.float32)
-        lse = torch.empty((B, H, num_splits), device=q.device, dtype=torch.float32)
-        sp, sl = o_part.stride()[:3], lse.stride()[:2]
-    dot_upcast = triton_interpreting() and q.dtype == torch.bfloat16
-    dot_precision = "ieee" if (q.dtype == torch.float32 or dot_upcast) else "tf32"
+    o_part, lse, sp, sl = split_partials(out, num_splits, rank)
+    dot_precision, dot_upcast = dot_mode(q.dtype)
     rh = rope // 2
     _split_rows_stage1[(head_tiles, num_splits, B)](
         q, k_rows, slots, seq_lens, starts, o_part, lse, out, float(scale) * _LOG2E, H, rank, rh, num_splits,
@@ -168,11 +163,7 @@ def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, sca
         HAS_ROPE=rope > 0, DIRECT_OUT=direct, DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if not direct:
-        _mla_decode_stage2[(cdiv(rank, block_vc), H, B)](
-            o_part, lse, out, rank, num_splits, *sp, *sl, out.stride(0), out.stride(1),
-            BLOCK_S=block_s, BLOCK_VC=block_vc, num_warps=4,
-        )
+    merge_splits(o_part, lse, out, rank, num_splits, sp, sl, block_s, block_vc)
     return out
 
 
