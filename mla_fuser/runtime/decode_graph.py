@@ -34,7 +34,6 @@ and prefill (run it eagerly before the first step).
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 
@@ -144,6 +143,12 @@ class DecodeGraph:
         return self._paged
 
     @property
+    def takes_several_tokens(self) -> bool:
+        """Whether steps of several tokens per sequence are possible: every cache layer paged (a state layer cannot
+        take back the tokens a step writes beyond the real ones)."""
+        return bool(self._paged) and len(self._paged) == len(self.cache.layers)
+
+    @property
     def graph(self):
         """The single-token step's graph (None before it is captured)."""
         bucket = self._buckets.get(1)
@@ -235,7 +240,7 @@ class DecodeGraph:
         if position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids {tuple(position_ids.shape)} must match input_ids {tuple(input_ids.shape)}")
         batch, tokens = input_ids.shape
-        if tokens > 1 and len(self._paged) != len(self.cache.layers):
+        if tokens > 1 and not self.takes_several_tokens:
             raise ValueError("DecodeGraph: steps of several tokens need a cache of paged latent layers only (a "
                              "state layer cannot take back the tokens a step writes beyond the real ones)")
         size = step_bucket(tokens)

@@ -31,7 +31,7 @@ import torch
 from .. import envs
 from ..attention_interfaces.vllm_mla import left_padding_of
 from ..attention_interfaces.paged import MAX_STEP_TOKENS
-from ..cache import PagedLatentCache, PagedLatentLayer, paged_layer_indices
+from ..cache import PagedLatentCache, paged_layer_indices
 from ..compat import ATTENTION_NAME, CACHE_KWARGS, attention_implementation, cache_keyword, caller_chose_cache
 from ..fusers.moe.experts import has_switched_experts, keep_fused_experts
 from ..plans import model_state
@@ -305,10 +305,6 @@ class GraphedForward:
         self.move_padding = move_padding
         self.keyword = cache_keyword(model)
         self.graph = DecodeGraph(model, cache)
-        # steps of several tokens (assisted / prompt-lookup verification) need every layer paged (take-back of the
-        # bucket padding); a cache with state layers steps one token at a time and verifies eagerly
-        layers = getattr(cache, "layers", ())
-        self.multi_token = bool(layers) and all(isinstance(layer, PagedLatentLayer) for layer in layers)
         self.output_type = None
         self.cache_field = None  # the output's cache field, read off the first eager output (_cache_field)
         self.steps = 0  # decode steps that went through the graph (the first one runs eagerly inside it)
@@ -341,7 +337,9 @@ class GraphedForward:
                 or kwargs.get("use_cache", True) is False or self.output_type is None):
             return False
         tokens = ids.shape[1]
-        return tokens == 1 or (tokens <= MAX_STEP_TOKENS and self.multi_token and self.cache.get_seq_length() > 0)
+        # (a cache with state layers steps one token at a time and verifies eagerly)
+        return tokens == 1 or (tokens <= MAX_STEP_TOKENS and self.graph.takes_several_tokens
+                               and self.cache.get_seq_length() > 0)
 
     def _positions(self, kwargs, batch, tokens=1):
         position_ids = kwargs.get("position_ids")
