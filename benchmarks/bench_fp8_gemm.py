@@ -258,25 +258,6 @@ def tc_grid(tokens, dry_run):
     return grid
 
 
-def precompile(jobs, log):
-    """Compile the sweep's kernels in threads (ptxas runs as a subprocess and much of Triton's pipeline releases
-    the GIL), so the grid fits in one GPU call.  Failures are left for the timed loop to record."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    start = time.perf_counter()
-
-    def one(job):
-        try:
-            job()
-            return True
-        except Exception:
-            return False
-
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
-        ok = sum(pool.map(one, jobs))
-    log(f"precompiled {ok}/{len(jobs)} kernels in {time.perf_counter() - start:.1f} s")
-
-
 def _config_row(max_tokens, config):
     fields = ", ".join(f"{k}={v!r}" for k, v in config._asdict().items())
     return f"({max_tokens}, None, {type(config).__name__}({fields})),"
@@ -360,6 +341,8 @@ def run_sweep(args, result, device, eager_ms, graph_ms, log):
                         plan = fp8_linear.w8_plan(t, n, k, *block, x.dtype, False, False, dev_index, c)
                         key = (spec, t == 1, p, c._replace(fill=0), plan.splits > 1)
                     jobs.setdefault(key, lambda p=p, c=c, x=x, wq=wq, ws=ws: call(p, c, x, wq, ws, warmup=True))
+        from bench_fused_moe import precompile  # (the same thread pool as the fused-MoE sweep's)
+
         precompile(list(jobs.values()), log)
         del jobs
         torch.cuda.empty_cache()

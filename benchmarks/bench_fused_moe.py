@@ -36,6 +36,7 @@ shapes in seconds, to check the script; its numbers mean nothing and it writes t
 """
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -252,17 +253,17 @@ def sweep_grid(path, num_tokens, shape, dry_run):
     return out
 
 
-def precompile(launch, jobs, log):
-    """Compile the sweep's kernels in threads (ptxas runs as a subprocess and much of Triton's MLIR
-    pipeline releases the GIL), so a large grid fits in one GPU call.  Failures are left for the timed
-    loop to record."""
+def precompile(jobs, log):
+    """Run ``jobs`` (callables that compile a kernel without launching it) in threads: ptxas runs as a subprocess
+    and much of Triton's MLIR pipeline releases the GIL, so a large sweep fits in one GPU call.  Failures are left
+    for the timed loop to record.  (``bench_fp8_gemm.py``'s sweep uses it too.)"""
     from concurrent.futures import ThreadPoolExecutor
 
     t0 = time.perf_counter()
 
     def one(job):
         try:
-            launch(*job, warmup=True)
+            job()
             return True
         except Exception:
             return False
@@ -320,7 +321,7 @@ def run_sweep(fm, args, shape, num_tokens, tensors, timer, log):
                                cfg=cfg, num_experts=E, warmup=warmup, **gemm_kw[gemm])  # fmt: skip
 
             if hidden.is_cuda and not args.no_precompile:
-                precompile(launch, [(g, c) for g in gemms for c in grids[g]], log)
+                precompile([functools.partial(launch, g, c, warmup=True) for g in gemms for c in grids[g]], log)
             per_gemm = {}
             for gemm in gemms:
                 grid = grids[gemm]
