@@ -156,6 +156,14 @@ def _generate_run(model, ids, steps, warm_tokens=8, cache_dtype=None):
     return prefill, (long - short) / steps, out[:, ids.shape[1]:], (None, peak), median_step
 
 
+def _timing(prefill: float, step: float, batch: int, peak=None) -> dict:
+    """One path's row: prefill seconds, decode ms/step and tokens/s (and peak bytes over the weights, when given)."""
+    row = {"prefill_s": prefill, "ms_per_step": step * 1e3, "tok_per_s": batch / step}
+    if peak is not None:
+        row.update(prefill_peak_over_weights_bytes=peak[0], decode_peak_over_weights_bytes=peak[1])
+    return row
+
+
 def weight_bytes(model) -> int:
     """Bytes of the model's parameters and buffers (FP8 weights count one byte, their scales four)."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
@@ -219,12 +227,11 @@ def run_model_bench(args) -> dict:
         prefill, step, tokens, peak = run(fused, cache_dtype) if getattr(args, "generate", False) else run(fused)
         if cache_dtype is not None:  # the same fused model over its default cache, for the cache's own speed-up
             c_prefill, c_step, _, _ = run(fused, label="fused_default_cache")
-            row["fused_default_cache"] = {"prefill_s": c_prefill, "ms_per_step": c_step * 1e3,
-                                          "tok_per_s": batch / c_step}
+            row["fused_default_cache"] = _timing(c_prefill, c_step, batch)
             row["speedup_of_fp8_cache"] = c_step / step
         if unquantized is not None:
             u_prefill, u_step, u_tokens, _ = run(unquantized, label="fused_unquantized")
-            row["fused_unquantized"] = {"prefill_s": u_prefill, "ms_per_step": u_step * 1e3, "tok_per_s": batch / u_step}
+            row["fused_unquantized"] = _timing(u_prefill, u_step, batch)
             row["speedup_vs_unquantized"] = u_step / step
             common = min(tokens.shape[1], u_tokens.shape[1])
             row["greedy_tokens_agreement_vs_unquantized"] = float((tokens[:, :common] == u_tokens[:, :common])
@@ -232,16 +239,14 @@ def run_model_bench(args) -> dict:
         if getattr(args, "generate", False):
             state = model_state(fused)
             row["fused_graphed_steps"], row["fused_graph_captures"] = state.graphed_steps, state.graph_captures
-        row["fused"] = {"prefill_s": prefill, "ms_per_step": step * 1e3, "tok_per_s": batch / step,
-                        "prefill_peak_over_weights_bytes": peak[0], "decode_peak_over_weights_bytes": peak[1]}
+        row["fused"] = _timing(prefill, step, batch, peak)
         if native is not None:
             if getattr(args, "generate", False):
                 n_prefill, n_step, n_tokens, n_peak = run(native, label="native")
             else:
                 _decode_run(native, ids, 2, **compiled)
                 n_prefill, n_step, n_tokens, n_peak = _decode_run(native, ids, args.steps, **compiled)
-            row["native"] = {"prefill_s": n_prefill, "ms_per_step": n_step * 1e3, "tok_per_s": batch / n_step,
-                             "prefill_peak_over_weights_bytes": n_peak[0], "decode_peak_over_weights_bytes": n_peak[1]}
+            row["native"] = _timing(n_prefill, n_step, batch, n_peak)
             common = min(tokens.shape[1], n_tokens.shape[1])  # a captured run decodes two untimed steps more
             tokens, n_tokens = tokens[:, :common], n_tokens[:, :common]
             row["greedy_tokens_equal"] = bool(torch.equal(tokens, n_tokens))
