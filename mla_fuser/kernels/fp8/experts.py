@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .format import DEFAULT_BLOCK, FP8_DTYPE, _FLOAT8_DTYPES, _FP4_DTYPES
+from .format import DEFAULT_BLOCK, _FLOAT8_DTYPES, _FP4_DTYPES, dtype_problem, own_tensor
 from .quant import quantize_block_fp8
 
 STACKS = ("gate_up_proj", "down_proj")
@@ -66,20 +66,15 @@ class FP8ExpertsLayout:
         return f"FP8 e4m3 experts [{self.num_experts}, {2 * self.inter}, {self.hidden}], {blocks}"
 
 
-def _tensor(module: nn.Module, name: str):
-    value = module._parameters.get(name)
-    return value if value is not None else module._buffers.get(name)
-
-
 def holds_fp8_experts(module: nn.Module) -> bool:
     """Cheap pre-filter: a 3-D float8 ``gate_up_proj``/``down_proj`` of its own, or a ``*_proj_scale_inv`` (so a
     quantised stack we cannot run is seen and declined with its reason)."""
     for name in STACKS:
-        value = _tensor(module, name)
+        value = own_tensor(module, name)
         if isinstance(value, torch.Tensor) and value.ndim == 3 and (value.dtype in _FLOAT8_DTYPES
                                                                     or value.dtype in _FP4_DTYPES):
             return True
-        if _tensor(module, name + SCALE_SUFFIX) is not None:
+        if own_tensor(module, name + SCALE_SUFFIX) is not None:
             return True
     return False
 
@@ -118,31 +113,30 @@ def _candidate_blocks(declared, down_grid, gate_grid, hidden: int):
 
 def explain_fp8_experts(module: nn.Module) -> tuple[FP8ExpertsLayout | None, str]:
     """``(layout, "")`` when ``module`` holds block-FP8 expert stacks we can run, else ``(None, reason)``."""
-    gate_up, down = _tensor(module, "gate_up_proj"), _tensor(module, "down_proj")
+    gate_up, down = own_tensor(module, "gate_up_proj"), own_tensor(module, "down_proj")
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
         return None, "no gate_up_proj / down_proj stacks (experts without gate are not supported)"
     for name, w in (("gate_up_proj", gate_up), ("down_proj", down)):
-        if w.dtype in _FP4_DTYPES or w.dtype in (torch.int8, torch.uint8):
-            return None, f"{name} is {w.dtype} (packed FP4 or integer): only float8_e4m3fn experts are supported"
-        if w.dtype != FP8_DTYPE:
-            return None, f"{name} is {w.dtype}: only float8_e4m3fn experts are supported (both stacks)"
+        problem = dtype_problem(name, w, "experts", " (both stacks)")
+        if problem:
+            return None, problem
         if w.ndim != 3:
             return None, f"{name} has {w.ndim} dims: not an expert stack"
     if getattr(module, "is_transposed", False):
         return None, "transposed FP8 expert stacks are not supported"
-    if getattr(module, "has_bias", False) or _tensor(module, "gate_up_proj_bias") is not None:
+    if getattr(module, "has_bias", False) or own_tensor(module, "gate_up_proj_bias") is not None:
         return None, "FP8 experts with biases are not supported"
     num, two_inter, hidden = (int(s) for s in gate_up.shape)
     inter = two_inter // 2
     if two_inter % 2 or tuple(down.shape) != (num, hidden, inter):
         return None, f"FP8 stacks {tuple(gate_up.shape)} / {tuple(down.shape)} do not fit [E,2I,H] / [E,H,I]"
-    gs, ds = _tensor(module, "gate_up_proj" + SCALE_SUFFIX), _tensor(module, "down_proj" + SCALE_SUFFIX)
+    gs, ds = own_tensor(module, "gate_up_proj" + SCALE_SUFFIX), own_tensor(module, "down_proj" + SCALE_SUFFIX)
     problem = _scale_problem("gate_up_proj", gs) or _scale_problem("down_proj", ds)
     if problem:
         return None, problem
     if gs.shape[0] != num or ds.shape[0] != num:
         return None, f"scale grids for {gs.shape[0]} / {ds.shape[0]} experts, the stacks hold {num}"
-    static = all(_tensor(module, n) is not None for n in _STATIC_SCALES)
+    static = all(own_tensor(module, n) is not None for n in _STATIC_SCALES)
     gate_grid, down_grid = tuple(gs.shape[1:]), tuple(ds.shape[1:])
     declared = getattr(module, "block_size", None)
     if declared is None and gate_grid == (2, 1) and down_grid == (1, 1):
@@ -163,8 +157,8 @@ def explain_fp8_experts(module: nn.Module) -> tuple[FP8ExpertsLayout | None, str
 
 def fp8_expert_tensors(module: nn.Module):
     """``(gate_up, gate_up_scale_inv, down, down_scale_inv)`` as the module holds them now."""
-    return (_tensor(module, "gate_up_proj"), _tensor(module, "gate_up_proj" + SCALE_SUFFIX),
-            _tensor(module, "down_proj"), _tensor(module, "down_proj" + SCALE_SUFFIX))
+    return (own_tensor(module, "gate_up_proj"), own_tensor(module, "gate_up_proj" + SCALE_SUFFIX),
+            own_tensor(module, "down_proj"), own_tensor(module, "down_proj" + SCALE_SUFFIX))
 
 
 def quantize_expert_stack(weight: torch.Tensor, block: tuple[int, int] | None, rows: int | None = None):

@@ -75,9 +75,20 @@ def holds_quantized_weight(module: nn.Module) -> bool:
     return SCALE_NAME in module._parameters or SCALE_NAME in module._buffers
 
 
-def _tensor(module: nn.Module, name: str):
+def own_tensor(module: nn.Module, name: str):
+    """The module's own parameter or buffer ``name`` (None if it holds neither)."""
     value = module._parameters.get(name)
     return value if value is not None else module._buffers.get(name)
+
+
+def dtype_problem(name: str, tensor: torch.Tensor, what: str, unquantised_note: str = "") -> str:
+    """Why ``tensor`` (called ``name``) is not an e4m3 tensor we run ("" when it is); ``what`` names what we run
+    ("weights", "experts") in the message, ``unquantised_note`` ends the message for a plain float dtype."""
+    if tensor.dtype in _FP4_DTYPES or tensor.dtype in (torch.int8, torch.uint8):
+        return f"{name} is {tensor.dtype} (packed FP4 or integer): only float8_e4m3fn {what} are supported"
+    if tensor.dtype != FP8_DTYPE:
+        return f"{name} is {tensor.dtype}: only float8_e4m3fn {what} are supported{unquantised_note}"
+    return ""
 
 
 def explain_block_fp8(module: nn.Module) -> tuple[BlockFP8Layout | None, str]:
@@ -88,13 +99,12 @@ def explain_block_fp8(module: nn.Module) -> tuple[BlockFP8Layout | None, str]:
     ``activation_scale`` as its own tensors, no children; not block-diagonal (``n_groups > 1``)."""
     if next(module.children(), None) is not None:
         return None, "has child modules"
-    weight, scale = _tensor(module, "weight"), _tensor(module, SCALE_NAME)
+    weight, scale = own_tensor(module, "weight"), own_tensor(module, SCALE_NAME)
     if weight is None:
         return None, "no weight"
-    if weight.dtype in _FP4_DTYPES or weight.dtype in (torch.int8, torch.uint8):
-        return None, f"weight is {weight.dtype} (packed FP4 or integer): only float8_e4m3fn weights are supported"
-    if weight.dtype != FP8_DTYPE:
-        return None, f"weight is {weight.dtype}: only float8_e4m3fn weights are supported"
+    problem = dtype_problem("weight", weight, "weights")
+    if problem:
+        return None, problem
     if weight.ndim != 2:
         return None, f"weight has {weight.ndim} dims: not a linear"
     out_features, in_features = (int(s) for s in weight.shape)
@@ -103,7 +113,7 @@ def explain_block_fp8(module: nn.Module) -> tuple[BlockFP8Layout | None, str]:
     if (getattr(module, "n_groups", 1) or 1) > 1:
         return None, f"a grouped (block-diagonal) linear with {module.n_groups} groups"
     extra = [n for n in sorted(set(module._parameters) | set(module._buffers))
-             if n not in _KNOWN_PARAMS and _tensor(module, n) is not None]
+             if n not in _KNOWN_PARAMS and own_tensor(module, n) is not None]
     if extra:
         return None, f"holds tensors a block-FP8 linear does not: {extra}"
     if scale is None:
@@ -112,10 +122,10 @@ def explain_block_fp8(module: nn.Module) -> tuple[BlockFP8Layout | None, str]:
         return None, f"UE8M0 scales ({scale.dtype}): only fp32 block scales are supported"
     if scale.dtype != torch.float32:
         return None, f"{SCALE_NAME} is {scale.dtype}: only fp32 block scales are supported"
-    bias = _tensor(module, "bias")
+    bias = own_tensor(module, "bias")
     if bias is not None and tuple(bias.shape) != (out_features,):
         return None, f"bias of shape {tuple(bias.shape)} for {out_features} outputs"
-    static = _tensor(module, "activation_scale") is not None
+    static = own_tensor(module, "activation_scale") is not None
     if scale.numel() == 1 and getattr(module, "block_size", None) is None:
         return BlockFP8Layout(out_features, in_features, None, None, static), ""
     if scale.ndim != 2:
@@ -160,5 +170,5 @@ def block_fp8_layout(module: nn.Module) -> BlockFP8Layout | None:
 
 def block_fp8_tensors(module: nn.Module):
     """``(weight, weight_scale_inv, bias)`` of a block-FP8 linear as it holds them now."""
-    return _tensor(module, "weight"), _tensor(module, SCALE_NAME), _tensor(module, "bias")
+    return own_tensor(module, "weight"), own_tensor(module, SCALE_NAME), own_tensor(module, "bias")
 
