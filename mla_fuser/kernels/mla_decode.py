@@ -607,28 +607,12 @@ def mla_decode_triton(
     grid = (head_tiles, num_splits, B)
     q_st, kv_st, out_st = q.stride(), kv_pages.stride(), out.stride()  # (one call each: per eager call)
     k1 = _mla_decode_stage1[grid](
-        q,
-        kv_pages,
-        block_table,
-        seq_lens,
+        q, kv_pages, block_table, seq_lens,
         starts if starts is not None else seq_lens,  # unused pointer without starts
-        o_part,
-        lse,
-        out,
-        float(scale) * _LOG2E,
-        H,
-        v_dim,
-        rope,
-        num_splits,
-        q_st[0],
-        q_st[1],
-        kv_st[0],
-        kv_st[1],
-        block_table.stride(0),
-        *sp,
-        *sl,
-        out_st[0],
-        out_st[1],
+        o_part, lse, out,
+        float(scale) * _LOG2E, H, v_dim, rope, num_splits,
+        q_st[0], q_st[1], kv_st[0], kv_st[1], block_table.stride(0),
+        *sp, *sl, out_st[0], out_st[1],
         PAGE_SIZE=page_size,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
@@ -645,7 +629,7 @@ def mla_decode_triton(
         HAS_STARTS=starts is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-    )
+    )  # fmt: skip
     LAST_LAUNCH.clear()
     LAST_LAUNCH.update(stage1=k1, num_splits=num_splits, block_h=block_h, block_n=block_n, per_row_pages=per_row)
     merge_splits(o_part, lse, out, v_dim, num_splits, sp, sl, block_s, block_vc)
