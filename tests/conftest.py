@@ -30,6 +30,16 @@ def tiny_deepseek(arch="deepseek_v2", attn="sdpa", seed=0, layers=2, **overrides
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
 
 
+def close_to_reference(out, ref, dtype):
+    """A kernel's output against its reference: same dtype and shape, max error within 1e-5 (fp32) or 2e-2 (half
+    types) of the reference's largest magnitude."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    scale = ref.float().abs().max().item() + 1e-6
+    err = (out.float() - ref.float()).abs().max().item()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert err <= tol * scale, f"max err {err:.3e} vs scale {scale:.3e}"
+
+
 def left_padded_prompts(lengths, vocab=128, seed=0):
     """Random prompts of the given lengths, left-padded with 0 to the longest, and their attention mask."""
     gen = torch.Generator().manual_seed(seed)

@@ -26,7 +26,7 @@ from mla_fuser.kernels.fp8.experts import explain_fp8_experts, quantize_expert_s
 from mla_fuser.kernels.fused_moe import fp8_launch
 from mla_fuser.kernels.fused_moe.fp8_reference import dequantize_expert
 
-from conftest import tiny_deepseek
+from conftest import close_to_reference as _close, tiny_deepseek
 
 transformers = pytest.importorskip("transformers")
 from transformers import FineGrainedFP8Config  # noqa: E402
@@ -53,14 +53,6 @@ def _stacks(num_experts, hidden, inter, block, halves, seed=0):
     layout = dict(gate_up_block=block, down_block=block, up_scale_base=s1.shape[1] // 2 if halves else 0,
                   up_row_shift=0 if halves else None)
     return (q1, s1, q2, s2), layout
-
-
-def _close(out, ref, dtype):
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    scale = ref.float().abs().max().item() + 1e-6
-    err = (out.float() - ref.float()).abs().max().item()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert err <= tol * scale, f"max err {err:.3e} vs scale {scale:.3e}"
 
 
 @needs_triton

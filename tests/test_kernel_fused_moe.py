@@ -26,6 +26,8 @@ if importlib.util.find_spec("mla_fuser") is None:  # plain `pytest` from the rep
 from mla_fuser.kernels import fused_moe as fm  # noqa: E402
 from mla_fuser.kernels.dispatch import triton_available  # noqa: E402
 
+from conftest import close_to_reference as _close  # noqa: E402
+
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
@@ -94,14 +96,6 @@ def _dev(*tensors):
 
 def _dev_kw(kw):
     return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-
-
-def _close(out, ref, dtype):
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    scale = ref.float().abs().max().item() + 1e-6
-    err = (out.float() - ref.float()).abs().max().item()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert err <= tol * scale, f"max err {err:.3e} vs scale {scale:.3e}"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
