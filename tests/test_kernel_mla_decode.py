@@ -290,6 +290,9 @@ def test_choose_num_splits():
     assert md.choose_num_splits(64, 1, 128, 64, 64, sms, 2) == 4  # 256 programs in 264 slots
     assert md.choose_num_splits(64, 2, 128, 64, 64, sms, 1) == 1  # 128 programs: one per SM already
     assert md.choose_num_splits(1, 1, 512, 64, 64, sms, 1) == 119  # B=1: fill the SMs
+    # short contexts at small batch: every tile in its own split (B=1 L=512 and B=4 L=1k measured fastest so)
+    assert md.choose_num_splits(1, 1, 9, 64, 64, sms, 2) == 9
+    assert md.choose_num_splits(4, 1, 16, 64, 64, sms, 2) == 16
 
 
 # ------------------------------------------------------------------------------------- paged write

@@ -42,8 +42,11 @@ Triton design (``_mla_decode_stage1`` + ``_mla_decode_stage2``)
 * ``num_splits=None`` (:func:`choose_num_splits`) picks the smallest split count whose programs
   fill the GPU's resident slots (SMs x programs per SM of the config) at >= 90% wave efficiency,
   never more splits than pages of the longest possible sequence (``block_table.shape[1]``) and
-  never fewer than ``MIN_TILES_PER_SPLIT`` tiles per split.  On an H200 its picks matched the best
-  of a split-count sweep on all eight benchmark cases (within noise).  It uses only host-side
+  never fewer than ``MIN_TILES_PER_SPLIT`` tiles per split (one: short contexts at small batch want every
+  tile in its own program, ``benchmarks/results/mla_decode_splits.json``).  On an H200 its picks are within
+  ~2 us of the best of a split-count sweep on every case of that sweep (H=16 and 128; B=1 at 512 to 32k
+  tokens, B=4/16 at 1k, 16x4k, 64x8k), where four tiles per split ran B=1 L=512 in 13.5 us against 8 us.
+  It uses only host-side
   shapes, so it needs no device sync and is CUDA-graph safe (the grid does not depend on
   ``seq_lens`` values).
 * Kernels use only core Triton builtins plus ``tl.reduce`` (see ``dispatch.LazyJit``) so they run under
@@ -85,9 +88,11 @@ __all__ = [
 
 _LOG2E = 1.4426950408889634
 
-# A split needs a few tiles so that its software pipeline fills and its fixed costs (q load, partial
-# store) amortise: 4 tiles of 64 tokens = 256 tokens = 295 KB of bf16 cache per program at D=576.
-MIN_TILES_PER_SPLIT = 4
+# Tiles per split at least.  Four (so that a split's software pipeline fills and its q load and partial store
+# amortise) measured slower than one wherever the split count is capped by the tiles: at B=1-16 and short
+# contexts every tile in its own program wins (B=1 L=512: 8 us against 13.5; L=2048: 9 against 14.4; B=4 L=1k:
+# 9 against 16), and where more programs than slots would result, the wave-efficiency rule stops earlier anyway.
+MIN_TILES_PER_SPLIT = 1
 
 
 # --------------------------------------------------------------------------------------------
