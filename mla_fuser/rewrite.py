@@ -1,16 +1,21 @@
 """libcst rewriting of an MLA module's forward source, compiled in the module's globals, bound to one instance.
 
-Two edits, each only when nothing is in doubt (otherwise ``RewriteError`` with the reason, and the module
+Three edits, each only when nothing is in doubt (otherwise ``RewriteError`` with the reason, and the module
 is left exactly as it was):
 
-(a) q-LoRA: ``self.<q_a>(x)`` and ``self.<kv_a>(x)`` (one call each, same plain-name input, not reassigned
-    in between) become one stacked GEMM ``self._mla_fuser_down(x)`` whose two outputs are bound to fresh
-    names before the first statement that needs either;
+(a) the two projections of the hidden states, ``self.<q_a>(x)`` (q-LoRA's down-projection, or without q-LoRA
+    the query projection ``self.<q_proj>(x)``) and ``self.<kv_a>(x)`` (one call each, same plain-name input, not
+    reassigned in between), become one stacked GEMM ``self._mla_fuser_down(x)`` whose two outputs are bound to
+    fresh names before the first statement that needs either;
 (b) the K/V expansion method, found by signature (``self`` + 2 arguments, body uses the KV up-projection,
     every ``return`` a 2-tuple), has its single call in ``forward`` replaced by the tuple of its arguments,
     so the compressed latent (``kv_c_normed``, ``k_pe``) reaches the attention interface.  The names it
     assigned may afterwards only be passed to calls or asked for ``.shape[0]``/``.shape[2]``/``.shape[-2]``
-    (batch and sequence, equal for latent and expanded tensors).
+    (batch and sequence, equal for latent and expanded tensors);
+(c) every call ``a, b = f(a, b, *tables)`` (a plain function given positional arguments, its two results bound back
+    to the two names it took: the shape of a rotary call) becomes ``self._mla_fuser_rotary(f, a, b, *tables)``,
+    which runs the rotary kernel once ``f``'s first run showed which rotary it computes, and ``f`` itself
+    otherwise (``rotary_call``).
 
 The new function is compiled with the original module's globals as ``__globals__`` (definitions land in a
 scratch namespace, nothing is added to the transformers module) and bound to the *instance*; the class and
@@ -36,6 +41,7 @@ from .compat import ATTENTION_NAME, attention_implementation, tensor_parallel_ho
 from .graph import is_plain_linear
 from .kernels.fp8 import block_fp8_layout, block_fp8_linear
 from .kernels.fp8.format import SCALE_NAME
+from .rotary_call import ROTARY_ATTR, RotaryCall
 
 
 class RewriteError(Exception):
@@ -61,7 +67,8 @@ def _is_dtensor(t) -> bool:
 
 
 class StackedLinear:
-    """Both down-projections as one GEMM, sharing storage with the original linears.
+    """Both projections of the hidden states (query side and KV down-projection) as one GEMM, sharing storage with
+    the original linears.
 
     Deliberately not an ``nn.Module``: it holds no parameters of its own (so ``state_dict``, ``.to()``,
     ``save_pretrained`` only ever see the original weights).  The stacked weight is one tensor; the
@@ -197,6 +204,13 @@ class StackedLinear:
         # the owner is usually being copied already (its ``__dict__`` holds this object): ``memo`` has its copy
         return StackedLinear(copy.deepcopy(self.first, memo), copy.deepcopy(self.second, memo),
                              copy.deepcopy(self.owner, memo), self.names)
+
+
+def stacked_query_projection(match) -> str:
+    """The query-side projection of the hidden states stacked with the KV down-projection: q-LoRA's
+    down-projection, or (no q-LoRA) the query projection itself, whose GEMM then also covers ``kv_a`` (one weight
+    read and one launch fewer per layer and step)."""
+    return match.q_a_proj if match.q_a_proj is not None else match.q_proj
 
 
 def fp8_stacking_problem(first: nn.Module, second: nn.Module) -> str | None:
@@ -431,32 +445,38 @@ def build_rewritten_source(module: nn.Module, match) -> tuple[str, str, type]:
     targets = _expansion_targets(stmt, call)
     _check_later_uses(body[index + 1:], targets)
 
-    # (a) stack the two down-projections
-    if match.q_a_proj is not None:
-        q_calls = _find_calls(func, lambda c: _self_attr_call(c, match.q_a_proj))
-        kv_calls = _find_calls(func, lambda c: _self_attr_call(c, match.kv_a_proj))
-        if len(q_calls) != 1 or len(kv_calls) != 1:
-            raise RewriteError(
-                f"expected one call each of self.{match.q_a_proj} and self.{match.kv_a_proj}, "
-                f"found {len(q_calls)} and {len(kv_calls)}"
-            )
-        qc, kc = q_calls[0], kv_calls[0]
-        for c in (qc, kc):
-            if len(c.args) != 1 or c.args[0].keyword is not None or c.args[0].star:
-                raise RewriteError("a down-projection is not called with one positional argument")
-        x_q, x_kv = qc.args[0].value, kc.args[0].value
-        if not (isinstance(x_q, cst.Name) and isinstance(x_kv, cst.Name) and x_q.value == x_kv.value):
-            raise RewriteError("the two down-projections do not take the same plain variable")
-        first = min(_top_statement_index(body, qc), _top_statement_index(body, kc))
-        last = max(_top_statement_index(body, qc), _top_statement_index(body, kc))
-        for s in body[first:last + 1]:
-            if x_q.value in _assigned_names(s):
-                raise RewriteError(f"{x_q.value} is reassigned between the two down-projections")
-        q_name, kv_name = _fresh("_mla_q_latent", taken), _fresh("_mla_kv_latent", taken)
-        stacked = cst.parse_statement(f"{q_name}, {kv_name} = self.{STACKED_ATTR}({x_q.value})\n")
-        inserts.setdefault(first, []).append(stacked)
-        replacements[id(qc)] = cst.Name(q_name)
-        replacements[id(kc)] = cst.Name(kv_name)
+    # (a) stack the two projections of the hidden states: the query's first one (q-LoRA's down-projection, or the
+    # whole query projection without q-LoRA) and the KV down-projection
+    q_first = stacked_query_projection(match)
+    q_calls = _find_calls(func, lambda c: _self_attr_call(c, q_first))
+    kv_calls = _find_calls(func, lambda c: _self_attr_call(c, match.kv_a_proj))
+    if len(q_calls) != 1 or len(kv_calls) != 1:
+        raise RewriteError(
+            f"expected one call each of self.{q_first} and self.{match.kv_a_proj}, "
+            f"found {len(q_calls)} and {len(kv_calls)}"
+        )
+    qc, kc = q_calls[0], kv_calls[0]
+    for c in (qc, kc):
+        if len(c.args) != 1 or c.args[0].keyword is not None or c.args[0].star:
+            raise RewriteError("a projection of the hidden states is not called with one positional argument")
+    x_q, x_kv = qc.args[0].value, kc.args[0].value
+    if not (isinstance(x_q, cst.Name) and isinstance(x_kv, cst.Name) and x_q.value == x_kv.value):
+        raise RewriteError("the query and KV projections do not take the same plain variable")
+    first = min(_top_statement_index(body, qc), _top_statement_index(body, kc))
+    last = max(_top_statement_index(body, qc), _top_statement_index(body, kc))
+    for s in body[first:last + 1]:
+        if x_q.value in _assigned_names(s):
+            raise RewriteError(f"{x_q.value} is reassigned between the query and KV projections")
+    q_name, kv_name = _fresh("_mla_q_latent", taken), _fresh("_mla_kv_latent", taken)
+    stacked = cst.parse_statement(f"{q_name}, {kv_name} = self.{STACKED_ATTR}({x_q.value})\n")
+    inserts.setdefault(first, []).append(stacked)
+    replacements[id(qc)] = cst.Name(q_name)
+    replacements[id(kc)] = cst.Name(kv_name)
+
+    # (c) rotary calls ``a, b = f(a, b, *tables)`` go through ``self._mla_fuser_rotary(f, a, b, *tables)``
+    for call in _rotary_calls(func):
+        replacements[id(call)] = call.with_changes(
+            func=cst.parse_expression(f"self.{ROTARY_ATTR}"), args=[cst.Arg(call.func), *call.args])
 
     new_func = func.visit(_Replace(replacements))
     new_body = list(new_func.body.body)
@@ -465,6 +485,27 @@ def build_rewritten_source(module: nn.Module, match) -> tuple[str, str, type]:
     new_func = new_func.with_changes(body=new_func.body.with_changes(body=new_body))
     new_source = tree.with_changes(body=[new_func if s is func else s for s in tree.body]).code
     return source, new_source, owner
+
+
+def _rotary_calls(func: cst.FunctionDef) -> list[cst.Call]:
+    """Calls of the form ``a, b = f(a, b, *rest)``: a plain function (a name, not an attribute: no module state)
+    given positional arguments only, whose two results are bound back to the two names it was given.  Only the
+    shape of the call is read here; what ``f`` computes is checked at its first run (``rotary_call``), and ``f``
+    runs itself whenever that check did not find a rotary recipe."""
+    found = []
+    for node in _walk(func):
+        if not (isinstance(node, cst.Assign) and len(node.targets) == 1 and isinstance(node.value, cst.Call)):
+            continue
+        target, call = node.targets[0].target, node.value
+        if not (isinstance(target, cst.Tuple) and len(target.elements) == 2 and isinstance(call.func, cst.Name)):
+            continue
+        names = [e.value.value if isinstance(e.value, cst.Name) else None for e in target.elements]
+        args = call.args
+        if len(args) < 3 or any(a.keyword is not None or a.star for a in args) or None in names:
+            continue
+        if [a.value.value if isinstance(a.value, cst.Name) else None for a in args[:2]] == names:
+            found.append(call)
+    return found
 
 
 def _expansion_targets(stmt: cst.CSTNode, call: cst.Call) -> list[str]:
@@ -551,10 +592,10 @@ def rewrite_mla_forward(module: nn.Module, match) -> str:
     """Rewrite ``module``'s forward in place (instance only); returns the unified diff of the source."""
     original, new_source, owner = build_rewritten_source(module, match)
     fn = compile_forward(new_source, owner)
-    if match.q_a_proj is not None:
-        names = (match.q_a_proj, match.kv_a_proj)
-        stacked = StackedLinear(*(module.get_submodule(n) for n in names), owner=module, names=names)
-        object.__setattr__(module, STACKED_ATTR, stacked)
+    names = (stacked_query_projection(match), match.kv_a_proj)
+    stacked = StackedLinear(*(module.get_submodule(n) for n in names), owner=module, names=names)
+    object.__setattr__(module, STACKED_ATTR, stacked)
+    object.__setattr__(module, ROTARY_ATTR, RotaryCall())
     bound = types.MethodType(_routed_by_attention_implementation(fn, type(module).forward), module)
     if getattr(module, "_hf_hook", None) is not None and "_old_forward" in module.__dict__:
         # an accelerate hook (``device_map`` dispatch, offload) wraps this instance's forward: replace what it

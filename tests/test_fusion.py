@@ -183,31 +183,41 @@ def test_state_dict_round_trip(tmp_path):
     assert torch.allclose(_logits(again, ids), _logits(fused, ids), atol=1e-5, rtol=1e-4)
 
 
-def test_load_state_dict_into_fused_model_lands_in_stacked_weight():
-    fused = tiny_deepseek(attn="vllm_mla", seed=1)
-    mla_fuser.fuse(fused)
-    other = tiny_deepseek(seed=2)
+# q-LoRA stacks its down-projection with the KV one; without q-LoRA the whole query projection is stacked instead
+Q_SIDES = pytest.mark.parametrize("q_lora_rank,q_first", [(24, "q_a_proj"), (None, "q_proj")], ids=["q_lora", "q_proj"])
+
+
+@Q_SIDES
+def test_load_state_dict_into_fused_model_lands_in_stacked_weight(q_lora_rank, q_first):
+    fused = tiny_deepseek(attn="vllm_mla", seed=1, q_lora_rank=q_lora_rank)
+    report = mla_fuser.fuse(fused)
+    assert all("stacked with KV down-projection" in r.reason for r in report.rows if r.fuser == "mla")
+    other = tiny_deepseek(seed=2, q_lora_rank=q_lora_rank)
     fused.load_state_dict(other.state_dict())
     ids = _ids()
     assert _close(_logits(other, ids), _logits(fused, ids))
     attn = fused.model.layers[0].self_attn
     stacked = getattr(attn, STACKED_ATTR)
-    assert attn.q_a_proj.weight.data_ptr() == stacked.weight.data_ptr()
+    assert getattr(attn, q_first).weight.data_ptr() == stacked.weight.data_ptr()
+    added = [line for line in attn._mla_fuser_source.splitlines() if line.startswith("+ ")]
+    assert any("self._mla_fuser_down(hidden_states)" in line for line in added)
 
 
-def test_dtype_move_restacks():
-    fused = tiny_deepseek(attn="vllm_mla")
-    native = tiny_deepseek()
+@Q_SIDES
+def test_dtype_move_restacks(q_lora_rank, q_first):
+    fused = tiny_deepseek(attn="vllm_mla", q_lora_rank=q_lora_rank)
+    native = tiny_deepseek(q_lora_rank=q_lora_rank)
     mla_fuser.fuse(fused)
     attn = fused.model.layers[1].self_attn
     before = getattr(attn, STACKED_ATTR).weight
+    assert before is not None and before.shape[0] == getattr(attn, q_first).out_features + attn.kv_a_proj_with_mqa.out_features
     # a dtype round trip gives every parameter new storage (and rounds both models' weights alike)
     fused.to(torch.bfloat16).to(torch.float32)
     native.to(torch.bfloat16).to(torch.float32)
     ids = _ids()
     assert _close(_logits(native, ids), _logits(fused, ids))
     after = getattr(attn, STACKED_ATTR).weight
-    assert after is not before and attn.q_a_proj.weight.data_ptr() == after.data_ptr()
+    assert after is not before and getattr(attn, q_first).weight.data_ptr() == after.data_ptr()
 
 
 def test_loader_from_config_passes_keywords_and_reports():

@@ -14,7 +14,7 @@ LAYERS = [
     ("envs", "compat", "plans", "fx_ops"),
     ("kernels",),
     ("graph",),
-    ("rewrite",),
+    ("rewrite", "rotary_call"),
     ("cache",),
     ("attention_interfaces",),
     ("fusers",),

@@ -31,7 +31,8 @@ declines otherwise).  A module that matches with attention computed inline is re
 untouched: there is no call to point at ``vllm_mla``.  Its head sizes are ``None`` where the graph does not show
 them.
 
-``apply`` rewrites the forward (``rewrite.py``): one stacked GEMM for both down-projections, and the K/V
+``apply`` rewrites the forward (``rewrite.py``): one stacked GEMM for both projections of the hidden states (the
+q-LoRA down-projection, or the query projection without q-LoRA, with the KV down-projection), and the K/V
 expansion call replaced by its arguments, so the latent reaches the ``vllm_mla`` attention interface, which
 runs absorbed MLA with ``W_UK``/``W_UV`` taken as views of ``kv_b_proj.weight``.
 
@@ -324,7 +325,7 @@ def _wrapped(module: nn.Module, *roles: str | None) -> list[str]:
 def apply_mla(module: nn.Module, match: MLAMatch, qualname: str) -> FusionRow:
     """Rewrite this instance's forward; on any doubt leave it untouched and return a fallback row."""
     from ..kernels.fp8 import block_fp8_layout
-    from ..rewrite import RewriteError, fp8_stacking_problem, rewrite_mla_forward
+    from ..rewrite import RewriteError, fp8_stacking_problem, rewrite_mla_forward, stacked_query_projection
 
     row = FusionRow(qualname, type(module).__name__, "mla", "fallback")
     if not match.rewritable:
@@ -339,17 +340,14 @@ def apply_mla(module: nn.Module, match: MLAMatch, qualname: str) -> FusionRow:
         return row
     set_plan(module, "mla", plan)
     row.status = "fused"
-    down, kv_b = _wrapped(module, match.q_a_proj, match.kv_a_proj), _wrapped(module, match.kv_b_proj)
+    q_first = stacked_query_projection(match)
+    down, kv_b = _wrapped(module, q_first, match.kv_a_proj), _wrapped(module, match.kv_b_proj)
     row.reason = f"{match.num_heads} heads, latent {match.kv_lora_rank}+{match.qk_rope_head_dim}"
-    if not match.has_q_lora:
-        row.reason += ", no q-LoRA"
-    else:
-        # FP8 (issue 15): block-FP8 down-projections stack only when their scale blocks stay aligned
-        fp8_problem = None if down else fp8_stacking_problem(*(module.get_submodule(n)
-                                                               for n in (match.q_a_proj, match.kv_a_proj)))
-        stacked = "" if down else (f" not stacked ({fp8_problem}): each projection runs its own block-FP8 GEMM"
-                                   if fp8_problem else " stacked with KV down-projection")
-        row.reason += f", q-LoRA {match.q_lora_rank}" + stacked
+    # FP8 (issue 15): block-FP8 projections stack only when their scale blocks stay aligned
+    fp8_problem = None if down else fp8_stacking_problem(*(module.get_submodule(n) for n in (q_first, match.kv_a_proj)))
+    stacked = "" if down else (f" not stacked ({fp8_problem}): each projection runs its own block-FP8 GEMM"
+                               if fp8_problem else " stacked with KV down-projection")
+    row.reason += (f", q-LoRA {match.q_lora_rank}" if match.has_q_lora else ", no q-LoRA: query projection") + stacked
     if not kv_b and block_fp8_layout(module.get_submodule(match.kv_b_proj)) is not None:  # FP8 (issue 15)
         row.reason += ("; block-FP8 kv_b_proj: W_UK/W_UV dequantised once (at the first absorbed call, kept while "
                        "the weight is) for absorbed attention, the expansion runs the block-FP8 GEMM")

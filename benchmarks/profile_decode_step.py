@@ -1,0 +1,113 @@
+"""The kernels of one graphed decode step of a fused DeepSeek-V2-Lite-shaped model, as the GPU runs them.
+
+A B=1 graphed step is GPU-bound on ~1,600 small kernels (``profile_host.py --generate``: the bare replay loop
+is within 7% of ``generate``), so the way to a faster step is fewer and shorter kernels.  This replays the step
+from its CUDA graph under torch.profiler and reports, per step: the kernel count, the summed kernel time, the
+span from first kernel start to last kernel end (the gaps between kernels are the difference), the kernels by
+total time, and the ordered kernels of one middle (MoE) layer, so that fusion candidates can be read off.
+
+    python benchmarks/profile_decode_step.py --shapes 1x512,1x32768,16x4096 --out profile_decode_step.json
+    python benchmarks/profile_decode_step.py --dry-run        # CPU: tiny preset, the replay is eager there
+"""
+
+import argparse
+import collections
+import json
+import os
+
+import torch
+
+
+def _kernel_events(prof):
+    from torch.autograd import DeviceType
+
+    return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= 100 else name[:97] + "..."
+
+
+def profile_shape(model, batch: int, length: int, replays: int, device: str, layers: int):
+    from torch.profiler import ProfilerActivity, profile
+
+    from mla_fuser.cache import PagedLatentCache
+    from mla_fuser.compat import cache_keyword
+    from mla_fuser.runtime import DecodeGraph
+
+    ids = torch.randint(3, 1000, (batch, length), device=device)
+    cache = PagedLatentCache.static_for(model, batch, length + replays + 8)
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache}).logits[:, -1]
+        step = DecodeGraph(model, cache)
+        token = logits.argmax(-1, keepdim=True)
+        position = length
+        for _ in range(3):  # eager first step, capture, one replay
+            token = step(token, torch.full_like(token, position)).argmax(-1, keepdim=True)
+            position += 1
+        if device == "cuda":
+            torch.cuda.synchronize()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for _ in range(replays):
+                token = step(token, torch.full_like(token, position)).argmax(-1, keepdim=True)
+                position += 1
+            if device == "cuda":
+                torch.cuda.synchronize()
+    events = _kernel_events(prof)
+    row = {"batch": batch, "context": length, "replays": replays, "kernels_per_step": len(events) / replays}
+    if not events:
+        return row
+    busy = sum(e.time_range.elapsed_us() for e in events) / replays
+    span = (events[-1].time_range.end - events[0].time_range.start) / replays
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        by_name[e.name][0] += 1
+        by_name[e.name][1] += e.time_range.elapsed_us()
+    top = sorted(by_name.items(), key=lambda kv: kv[1][1], reverse=True)
+    row.update({
+        "kernel_us_per_step": busy, "span_us_per_step": span,
+        "by_name": [{"name": _short(k), "per_step": c / replays, "us_per_step": t / replays} for k, (c, t) in top],
+    })
+    # one replay's kernels, and those of a middle layer: the step is layers x (a fixed kernel run) plus head/tail
+    per_step = len(events) // replays
+    first = events[per_step * (replays // 2): per_step * (replays // 2 + 1)]
+    period = (len(first) - 4) // layers if layers else 0
+    middle = first[len(first) // 2 - period // 2: len(first) // 2 + period // 2 + 1] if period else []
+    row["middle_layer_kernels"] = [{"name": _short(e.name), "us": e.time_range.elapsed_us()} for e in middle]
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="1x512,1x32768,16x4096")
+    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--out", default="profile_decode_step.json")
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args()
+    from mla_fuser.presets import build_preset
+
+    device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
+    preset, dtype = ("deepseek-v2-lite-tiny", torch.float32) if args.dry_run else ("deepseek-v2-lite", torch.bfloat16)
+    if args.dry_run:
+        args.shapes, args.replays = "1x16", 2
+    model = build_preset(preset, seed=0, dtype=dtype, device=device)
+    layers = model.config.num_hidden_layers
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "preset": preset, "runs": []}
+    for shape in args.shapes.split(","):
+        batch, length = (int(v) for v in shape.split("x"))
+        row = profile_shape(model, batch, length, args.replays, device, layers)
+        result["runs"].append(row)
+        print(f"{shape}: {row['kernels_per_step']:.0f} kernels/step, "
+              f"busy {row.get('kernel_us_per_step', 0):.0f} us, span {row.get('span_us_per_step', 0):.0f} us")
+        for item in row.get("by_name", [])[:25]:
+            print(f"   {item['us_per_step']:8.1f} us {item['per_step']:6.1f}x  {item['name']}")
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The rotary call of a rewritten MLA forward, run on the rotary kernel once it is known what the call computes.
+
+The rewrite (``rewrite.py``, edit (c)) turns ``q, k = f(q, k, *tables)`` into ``q, k = self._mla_fuser_rotary(f, q,
+k, *tables)``.  Nothing is assumed from the function's name or source: ``f`` may be any function of that shape.
+What it computes is read off its first call on a GPU (or under Triton's interpreter): its result is compared with
+each recipe of ``kernels.rotary`` (torch twins of the rotaries Transformers writes) on the call's own inputs, and
+the first recipe whose twin *and* kernel both agree with ``f`` up to the rounding of each value's terms
+(``_agrees``) is kept for that kind of call (``f``, dtypes, rope width, table layout).  From then on such calls take one
+kernel launch instead of ``f``'s 6-10.  No recipe agrees (another rotary, a scaled one, anything else), or a call
+of another kind, or a call that cannot be checked: ``f`` itself runs, always.
+
+When ``f`` runs instead: on CPU without the interpreter (``f``'s torch ops are what the reference would run
+anyway), under ``torch.compile`` (the compiler fuses ``f`` itself), while autograd records (the kernel has no
+backward), with keyword arguments or tensor subclasses (a DTensor, a fake tensor), and on a first call made while a CUDA graph is being captured (the check
+needs to read results back; the next call outside a capture checks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels.dispatch import use_triton
+from .kernels.rotary import RECIPES, rotary, rotary_ref, table_width
+
+ROTARY_ATTR = "_mla_fuser_rotary"
+
+
+def recipe_tables(recipe: str, q: torch.Tensor, tables: tuple):
+    """``(cos, sin)`` for the kernel from the call's table arguments, or None when they do not have the recipe's
+    form: one complex64 ``[Bt, T, R/2]`` table for ``pairs_fp32``; ``cos, sin`` ``[Bt, T, R]`` in ``q``'s dtype for
+    the other two (``pairs_to_halves`` reads the first halves)."""
+    rope = q.shape[-1]
+    if recipe == "pairs_fp32":
+        if len(tables) != 1 or not isinstance(tables[0], torch.Tensor) or tables[0].dtype != torch.complex64:
+            return None
+        freqs = tables[0]
+        if freqs.dim() != 3 or freqs.shape[-1] != table_width(recipe, rope):
+            return None
+        parts = torch.view_as_real(freqs)
+        return parts[..., 0], parts[..., 1]
+    if len(tables) != 2 or not all(isinstance(t, torch.Tensor) for t in tables):
+        return None
+    cos, sin = tables
+    if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[-1] != rope or cos.dtype != q.dtype \
+            or sin.dtype != q.dtype:
+        return None
+    if recipe == "pairs_to_halves":
+        return cos[..., : rope // 2], sin[..., : rope // 2]
+    return cos, sin
+
+
+def _agrees(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor) -> bool:
+    """``got`` is ``want`` up to the rounding of the products and sums that make each value: within one unit of the
+    output dtype's precision of the value itself plus twice the largest input of its row (a rotated value is
+    ``a*c - b*s``, and a fused multiply-add or a complex product may round its terms differently; with
+    cancellation that is many units of the small result, but never more than the terms' own rounding).  Another
+    recipe, pairing or table differs by the size of the values themselves."""
+    if not isinstance(want, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    eps = torch.finfo(want.dtype).eps
+    scale = x.float().abs().amax(dim=-1, keepdim=True)
+    diff = (got.float() - want.float()).abs()
+    return bool((diff <= eps * (want.float().abs() + 2 * scale) + torch.finfo(want.dtype).tiny).all())
+
+
+def _shapes_fit(q, k, cos, sin, recipe) -> bool:
+    if q.dim() != 4 or k.dim() != 4 or q.dtype != k.dtype or q.shape[-1] % 2:
+        return False
+    batch, _, tokens, rope = q.shape
+    want = (tokens, table_width(recipe, rope))
+    return (k.shape[0] == batch and tuple(k.shape[2:]) == (tokens, rope)
+            and all(t.shape[0] in (1, batch) and tuple(t.shape[1:]) == want for t in (cos, sin)))
+
+
+class RotaryCall:
+    """``self._mla_fuser_rotary`` of one rewritten module: ``(f, q, k, *tables) -> f(q, k, *tables)``'s result,
+    on the kernel for kinds of call whose recipe is known (module docstring).  ``verdicts``: kind -> recipe or
+    None (checked: no recipe agrees)."""
+
+    def __init__(self):
+        self.verdicts: dict = {}
+
+    @staticmethod
+    def _kind(fn, q, k, tables):
+        return (fn, q.dtype, k.dtype, q.shape[-1], q.device.type,
+                tuple((t.dtype, t.dim(), t.shape[-1]) if isinstance(t, torch.Tensor) else type(t) for t in tables))
+
+    def __call__(self, fn, q, k, *tables, **kwargs):
+        if (kwargs or torch.compiler.is_compiling() or type(q) is not torch.Tensor  # (no subclasses: DTensor, fake)
+                or type(k) is not torch.Tensor or not use_triton(q, k)
+                or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
+            return fn(q, k, *tables, **kwargs)
+        kind = self._kind(fn, q, k, tables)
+        recipe = self.verdicts.get(kind, ...)
+        if recipe is ...:
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                return fn(q, k, *tables)  # the check reads results back: not inside a capture
+            expected = fn(q, k, *tables)
+            self.verdicts[kind] = self._identify(q, k, tables, expected)
+            return expected
+        if recipe is None:
+            return fn(q, k, *tables)
+        cos, sin = recipe_tables(recipe, q, tables)
+        if not _shapes_fit(q, k, cos, sin, recipe):
+            return fn(q, k, *tables)
+        return rotary(q, k, cos, sin, recipe)
+
+    @staticmethod
+    def _identify(q, k, tables, expected):
+        """The recipe whose twin and kernel both give ``expected`` on these inputs, or None."""
+        if not (isinstance(expected, tuple) and len(expected) == 2):
+            return None
+        for recipe in RECIPES:
+            found = recipe_tables(recipe, q, tables)
+            if found is None or not _shapes_fit(q, k, *found, recipe):
+                continue
+            twin = rotary_ref(q, k, *found, recipe)
+            if not all(_agrees(t, e, x) for t, e, x in zip(twin, expected, (q, k))):
+                continue
+            ran = rotary(q, k, *found, recipe)
+            if all(_agrees(r, e, x) for r, e, x in zip(ran, expected, (q, k))):
+                return recipe
+        return None

@@ -1,0 +1,202 @@
+"""The rotary kernel (``kernels.rotary``) against its torch twin and Transformers' own rotaries, and the rewritten
+rotary call (``rotary_call``): the kernel only for calls whose recipe its first run confirmed, the function itself
+for everything else.  Triton runs under its interpreter (``TRITON_INTERPRET`` per test); bf16 is compared with a
+tolerance there because the interpreter truncates fp32 -> bf16 instead of rounding (fp32 and fp16 are bitwise)."""
+
+import pytest
+import torch
+
+import mla_fuser
+from conftest import tiny_deepseek
+from mla_fuser.kernels.rotary import RECIPES, rotary, rotary_ref, rotary_triton, table_width
+from mla_fuser.rotary_call import ROTARY_ATTR, RotaryCall, _agrees, recipe_tables
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+
+
+def _tables(recipe, batch, tokens, rope, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = table_width(recipe, rope)
+    if recipe == "pairs_fp32":
+        freqs = torch.polar(torch.ones(batch, tokens, width), torch.randn(batch, tokens, width, generator=g) * 3)
+        parts = torch.view_as_real(freqs)
+        return parts[..., 0], parts[..., 1]  # strided views, as RotaryCall passes them
+    angles = torch.randn(batch, tokens, width, generator=g) * 3
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _qk(batch, heads, tokens, rope, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    # q as the modeling code has it: the rope slice of a [B, T, H, nope + rope] projection, transposed (strided)
+    q = torch.randn(batch, tokens, heads, 6 + rope, generator=g).to(dtype)[..., 6:].transpose(1, 2)
+    k = torch.randn(batch, 1, tokens, rope, generator=g).to(dtype)
+    return q, k
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("table_batch", [1, 2])
+def test_kernel_matches_its_twin(interpreted, recipe, dtype, table_batch):
+    q, k = _qk(2, 3, 5, 12, dtype)  # 6 pairs: not a power of two
+    cos, sin = _tables(recipe, table_batch, 5, 12, dtype)
+    got, want = rotary_triton(q, k, cos, sin, recipe), rotary_ref(q, k, cos, sin, recipe)
+    for g_, w_ in zip(got, want):
+        assert g_.shape == w_.shape and g_.dtype == w_.dtype and g_.is_contiguous()
+        if dtype == torch.bfloat16:  # (the interpreter's truncation: a few bf16 ulps, never more)
+            torch.testing.assert_close(g_.float(), w_.float(), rtol=0, atol=4 * 2 ** -8 * w_.float().abs().max().item())
+        else:
+            assert torch.equal(g_, w_)
+
+
+def test_kernel_rejects_tables_of_the_wrong_width(interpreted):
+    q, k = _qk(1, 2, 3, 8, torch.float32)
+    cos, sin = _tables("halves", 1, 3, 8, torch.float32)
+    with pytest.raises(ValueError, match="cos must be"):
+        rotary_triton(q, k, cos[..., :4], sin[..., :4], "halves")
+    with pytest.raises(ValueError, match="unknown rotary recipe"):
+        rotary_triton(q, k, cos, sin, "spiral")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_twins_are_transformers_rotaries(dtype):
+    """Each recipe's twin computes what the Transformers function it names computes (CPU, torch ops)."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (apply_rotary_pos_emb,
+                                                                       apply_rotary_pos_emb_interleave)
+
+    q, k = _qk(2, 4, 6, 16, dtype)
+    g = torch.Generator().manual_seed(3)
+    freqs = torch.polar(torch.ones(2, 6, 8), torch.randn(2, 6, 8, generator=g) * 3)
+    angles = torch.randn(2, 6, 8, generator=g) * 3
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    cases = [("pairs_fp32", apply_rotary_emb, (freqs,)), ("pairs_to_halves", apply_rotary_pos_emb_interleave,
+                                                           (cos, sin)), ("halves", apply_rotary_pos_emb, (cos, sin))]
+    for recipe, fn, tables in cases:
+        want = fn(q, k, *tables)
+        got = rotary_ref(q, k, *recipe_tables(recipe, q, tables), recipe)
+        for g_, w_, x in zip(got, want, (q, k)):
+            assert g_.dtype == w_.dtype and g_.shape == w_.shape
+            if recipe == "pairs_fp32":  # real products where torch multiplies complex numbers: their rounding only
+                assert _agrees(g_, w_, x)
+            else:
+                assert torch.equal(g_, w_), recipe
+
+
+def _transformers_rotaries():
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (apply_rotary_pos_emb,
+                                                                       apply_rotary_pos_emb_interleave)
+
+    return apply_rotary_emb, apply_rotary_pos_emb_interleave, apply_rotary_pos_emb
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_call_takes_the_kernel_only_for_a_confirmed_recipe(interpreted, monkeypatch, dtype):
+    import mla_fuser.rotary_call as rc
+
+    v2, v3_interleave, v3_halves = _transformers_rotaries()
+    launches = []
+    real = rc.rotary
+    monkeypatch.setattr(rc, "rotary", lambda *a: launches.append(a[-1]) or real(*a))
+    q, k = _qk(2, 4, 6, 16, dtype)
+    g = torch.Generator().manual_seed(5)
+    freqs = torch.polar(torch.ones(2, 6, 8), torch.randn(2, 6, 8, generator=g))
+    cos, sin = torch.randn(2, 6, 16, generator=g).to(dtype), torch.randn(2, 6, 16, generator=g).to(dtype)
+    call = RotaryCall()
+    for fn, tables, recipe in ((v2, (freqs,), "pairs_fp32"), (v3_interleave, (cos, sin), "pairs_to_halves"),
+                               (v3_halves, (cos, sin), "halves")):
+        for step in range(2):  # the first call checks (and returns fn's own result), the second runs the kernel
+            launches.clear()
+            got, want = call(fn, q, k, *tables), fn(q, k, *tables)
+            for a, b, x in zip(got, want, (q, k)):
+                if step == 1 and recipe == "pairs_fp32":  # real products vs torch's complex ones: their rounding
+                    assert _agrees(a, b, x)
+                else:
+                    assert torch.equal(a, b)
+            assert call.verdicts[RotaryCall._kind(fn, q, k, tables)] == recipe
+            assert launches == [recipe]  # step 0: the check's own kernel run; step 1: the call's
+
+    # a function of the same shape that is no rotary: checked once, then always run itself
+    def not_rotary(a, b, c, s):
+        return a * 2, b + c.sum()
+
+    for _ in range(2):
+        launches.clear()
+        got = call(not_rotary, q, k, cos, sin)
+        assert torch.equal(got[0], q * 2) and torch.equal(got[1], k + cos.sum())
+        assert launches == []  # no recipe's twin agreed, so no kernel was even tried
+    assert call.verdicts[RotaryCall._kind(not_rotary, q, k, (cos, sin))] is None
+
+    # a rotary with another pairing (pairs in, pairs out, but rounded per op): no recipe agrees
+    def pairs_rounded(a, b, c, s):
+        def one(x):
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            cc, ss = c[..., :8].unsqueeze(1), s[..., :8].unsqueeze(1)
+            return torch.stack([x1 * cc - x2 * ss, x2 * cc + x1 * ss], -1).flatten(-2)
+        return one(a), one(b)
+
+    call(pairs_rounded, q, k, cos, sin)
+    assert call.verdicts[RotaryCall._kind(pairs_rounded, q, k, (cos, sin))] is None
+
+
+def test_call_runs_the_function_on_cpu_without_the_kernel():
+    v2, _, _ = _transformers_rotaries()
+    q, k = _qk(1, 2, 3, 8, torch.float32)
+    freqs = torch.polar(torch.ones(1, 3, 4), torch.randn(1, 3, 4))
+    call = RotaryCall()
+    got = call(v2, q, k, freqs)
+    assert all(torch.equal(a, b) for a, b in zip(got, v2(q, k, freqs))) and call.verdicts == {}
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_fused_models_rotate_on_the_kernel_and_equal_native(interpreted, monkeypatch, arch, interleave):
+    if arch == "deepseek_v2" and not interleave:
+        pytest.skip("DeepSeek-V2 has one rotary")
+    import mla_fuser.rotary_call as rc
+
+    launches = []
+    real = rc.rotary
+    monkeypatch.setattr(rc, "rotary", lambda *a: launches.append(a[-1]) or real(*a))
+    extra = {} if arch == "deepseek_v2" else {"rope_interleave": interleave}
+    native = tiny_deepseek(arch=arch, layers=2, **extra)
+    fused = tiny_deepseek(arch=arch, attn="vllm_mla", layers=2, **extra)
+    mla_fuser.fuse(fused)
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = native.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        got = fused.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-4
+    recipe = "pairs_fp32" if arch == "deepseek_v2" else ("pairs_to_halves" if interleave else "halves")
+    verdicts = getattr(fused.model.layers[0].self_attn, ROTARY_ATTR).verdicts
+    assert list(verdicts.values()) == [recipe]
+    assert launches.count(recipe) > 5  # every later call of every layer ran the kernel
+
+
+def test_rotary_rewrite_skips_calls_of_other_shapes():
+    """Only ``a, b = f(a, b, *rest)`` is routed: another assignment shape stays as written."""
+    import libcst as cst
+
+    from mla_fuser.rewrite import _rotary_calls
+
+    source = (
+        "def forward(self, x, q, k, c, s):\n"
+        "    q, k = rope(q, k, c, s)\n"          # routed
+        "    k, q = rope(q, k, c, s)\n"          # names swapped
+        "    q, k = self.rope(q, k, c, s)\n"     # a method: module state
+        "    q, k = rope(q, k)\n"                # no tables
+        "    q, k = rope(q, k, c, s=s)\n"        # keyword
+        "    q, k = rope(q, k, *c)\n"            # star
+        "    return q, k\n"
+    )
+    func = cst.parse_module(source).body[0]
+    calls = _rotary_calls(func)
+    assert len(calls) == 1 and cst.Module(body=[]).code_for_node(calls[0]) == "rope(q, k, c, s)"
