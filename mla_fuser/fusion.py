@@ -10,7 +10,7 @@ from torch import nn
 from . import attention_interfaces  # noqa: F401  (registers vllm_mla)
 from . import compat, envs
 from .fusers.base import FusionReport, FusionRow
-from .fusers import MambaFuser, MoEFuser, NormFuser
+from .fusers import GatedMLPFuser, MambaFuser, MoEFuser, NormFuser
 from .fusers.mla import MLAFuser, apply_mla
 from .fusers.fp8 import fuse_fp8_linears
 from .graph import TRACE_LOCK, is_linear, rmsnorm_width
@@ -44,8 +44,18 @@ def _mla_candidate(module: nn.Module) -> bool:
 
 
 # The sibling fuser families: each has ``name``, ``is_candidate(module)``, ``explain(module, example_inputs) ->
-# (match | None, reason)`` and ``apply(module, match, qualname) -> FusionRow``.
-BLOCK_FUSERS = (MoEFuser, MambaFuser, NormFuser)
+# (match | None, reason)`` and ``apply(module, match, qualname) -> FusionRow``; one that also judges a module by
+# where it sits has ``candidate_names(model)`` (the gated-MLP fuser leaves a ModuleList's experts to the MoE fuser).
+# Order matters: each family's blocks are matched and applied before the next family's, so the MoE fuser reads its
+# shared experts before the gated-MLP fuser binds their instance forwards.
+BLOCK_FUSERS = (MoEFuser, MambaFuser, NormFuser, GatedMLPFuser)
+
+
+def _candidate_names(model: nn.Module, fuser) -> list[str]:
+    pick = getattr(fuser, "candidate_names", None)
+    if pick is not None:
+        return pick(model)
+    return [n for n, m in model.named_modules() if n and fuser.is_candidate(m)]
 
 
 class _Capture(dict):
@@ -150,7 +160,7 @@ def _fuse(model: nn.Module) -> FusionReport:
     # calls them; Transformers' own FP8Linear forward needs a Hub download)
     report.rows.extend(fuse_fp8_linears(model))
     block_fusers = BLOCK_FUSERS
-    block_names = {f: [n for n, m in model.named_modules() if n and f.is_candidate(m)] for f in block_fusers}
+    block_names = {f: _candidate_names(model, f) for f in block_fusers}
     disabled_by_version = compat.disabled_features()
     report.notes.extend(why for f, names in block_names.items() if names
                         for feature, why in disabled_by_version.items() if f.name == feature)
