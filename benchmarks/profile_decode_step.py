@@ -28,6 +28,19 @@ def _short(name: str) -> str:
     return name if len(name) <= 100 else name[:97] + "..."
 
 
+def _rotary_recipes(model) -> list:
+    """What the rewritten rotary calls found at their first run (``rotary_call``): the recipe each kind of call runs
+    on, or None where it runs the modeling code's own ops."""
+    from mla_fuser.rotary_call import ROTARY_ATTR
+
+    found = set()
+    for module in model.modules():
+        call = module.__dict__.get(ROTARY_ATTR)
+        if call is not None:
+            found.update(str(v) for v in call.verdicts.values())
+    return sorted(found)
+
+
 def profile_shape(model, batch: int, length: int, replays: int, device: str, layers: int):
     from torch.profiler import ProfilerActivity, profile
 
@@ -55,7 +68,8 @@ def profile_shape(model, batch: int, length: int, replays: int, device: str, lay
             if device == "cuda":
                 torch.cuda.synchronize()
     events = _kernel_events(prof)
-    row = {"batch": batch, "context": length, "replays": replays, "kernels_per_step": len(events) / replays}
+    row = {"batch": batch, "context": length, "replays": replays, "kernels_per_step": len(events) / replays,
+           "rotary_recipes": _rotary_recipes(model)}
     if not events:
         return row
     busy = sum(e.time_range.elapsed_us() for e in events) / replays
@@ -98,7 +112,7 @@ def main():
         batch, length = (int(v) for v in shape.split("x"))
         row = profile_shape(model, batch, length, args.replays, device, layers)
         result["runs"].append(row)
-        print(f"{shape}: {row['kernels_per_step']:.0f} kernels/step, "
+        print(f"{shape}: {row['kernels_per_step']:.0f} kernels/step, rotary {row['rotary_recipes']}, "
               f"busy {row.get('kernel_us_per_step', 0):.0f} us, span {row.get('span_us_per_step', 0):.0f} us")
         for item in row.get("by_name", [])[:25]:
             print(f"   {item['us_per_step']:8.1f} us {item['per_step']:6.1f}x  {item['name']}")

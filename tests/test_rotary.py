@@ -8,7 +8,7 @@ import torch
 
 import mla_fuser
 from conftest import tiny_deepseek
-from mla_fuser.kernels.rotary import RECIPES, rotary, rotary_ref, rotary_triton, table_width
+from mla_fuser.kernels.rotary import RECIPES, rotary_ref, rotary_triton, table_width
 from mla_fuser.rotary_call import ROTARY_ATTR, RotaryCall, _agrees, recipe_tables
 
 pytest.importorskip("triton")

@@ -27,6 +27,7 @@ from .experts import apply_interface, explain_fp8_experts_module, interface_expe
 from .inline import inline_children
 from .mlp import activation_name, fingerprint, mlp_spec
 from .router import Interpreter, Sym, router_spec, shape_of
+from .router_binding import bind_router
 from .specs import MLPSpec, MoEMatch, SharedExpert
 from .stacking import apply_module_list
 
@@ -116,6 +117,7 @@ class MoEFuser(Fuser):
         try:
             if match.experts_kind == "interface":
                 how = apply_interface(module, match)
+                how += "; " + bind_router(module, match)
             else:
                 how = apply_module_list(module, match)
         except NoMatch as exc:

@@ -1,0 +1,207 @@
+"""The router child of a fused MoE block, on one selection kernel once its first run shows the kernel computes it.
+
+DeepSeek-V2's router child (``self.gate(hidden)``) returns ``(logits, weights, ids)`` through ``F.linear``, softmax,
+``topk`` and a scale: six launches per layer in a decode step, three of them after the logits.  The block's match
+(``RouterSpec``) says what the routing computes; when that computation lives in one child that owns the router
+weight, this binds to that child *instance* a forward that keeps the logits on torch (the same ops: bitwise the
+same logits, cuBLAS spreading the weight over the SMs) and selects with ``kernels.moe_router.select_experts``
+(one launch).
+
+Nothing is assumed about what the child returns: its first call on a GPU (or under Triton's interpreter) runs the
+original forward, and the binding is kept for that kind of call (input dtype, device) only if the original
+returned ``(logits, weights, ids)`` and (a) the logits equal ours bitwise, (b) the torch twin's experts and weights
+equal the original's as sets per row, (c) the kernel's equal the twin's except on rows where the last chosen and
+the first left out are within ``TIE_GAP`` (summation order may pick either there).  Otherwise (a router returning
+logits only, as DeepSeek-V3's does, or anything else) the original forward runs, always.  It also runs on CPU
+without the interpreter, under torch.compile, while autograd records, with other arguments, and on a first call
+made inside a CUDA-graph capture.  The kernel's ids come out by decreasing choice; the original's order is
+``topk(sorted=False)``'s; the experts implementation sums them in any order.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...fx_ops import attr_of
+from ...kernels.dispatch import use_triton
+from ...kernels.moe_router import INPUT_DTYPES, MAX_POST, RouteParams, select_experts, select_experts_ref
+from ...plans import plan_of, set_plan
+from .specs import MoEMatch, RouterSpec
+
+_FP32 = torch.float32
+TIE_GAP = 1e-5  # relative margin below which a top-k boundary may legitimately fall either way
+
+
+@functools.lru_cache(maxsize=64)
+def route_params(spec: RouterSpec) -> RouteParams | None:
+    """The selection kernel's constants for ``spec``, or None when the kernel would not compute what was traced:
+    every cast before selection must be to fp32 (DeepSeek-V2/V3 route in fp32), the steps a renorm first, at most
+    two scale / div steps, and one cast at the end."""
+    casts = (*spec.input_dtypes, *spec.weight_dtypes, *spec.logits_dtypes, *spec.score_dtypes,
+             *spec.correction_bias_dtypes)
+    if any(dtype != _FP32 for dtype in casts) or spec.softmax_dtype not in (None, _FP32):
+        return None
+    if spec.n_group is not None and spec.group_scoring not in ("max", "topn_sum"):
+        return None
+    renorm, eps, post, out_dtype = False, None, [], _FP32
+    for i, (op, arg) in enumerate(spec.steps):
+        if op == "renorm" and i == 0:
+            renorm, eps = True, arg
+        elif op in ("scale", "div") and out_dtype == _FP32:
+            post.append((op, float(arg)))
+        elif op not in ("renorm", "scale", "div") and out_dtype == _FP32 and arg in INPUT_DTYPES:
+            out_dtype = arg  # a cast: to fp32 changes nothing; to fp16 / bf16 only as the last step
+        else:
+            return None
+    if len(post) > MAX_POST:
+        return None
+    grouped = spec.n_group is not None
+    return RouteParams(
+        top_k=spec.top_k, scoring=spec.scoring, n_group=spec.n_group if grouped else 0,
+        topk_group=spec.topk_group if grouped else 0,
+        group_topn=spec.group_topn if grouped and spec.group_scoring == "topn_sum" else 0,
+        group_fill=float(spec.group_fill) if grouped else 0.0, weights_from=spec.weights_from, renorm=renorm,
+        renorm_eps=None if eps is None else float(eps), post=tuple(post), out_dtype=out_dtype,
+    )
+
+
+class _RouterPlan:
+    """What the bound forward of one router child needs: the original forward, the spec's names relative to the
+    child, the kernel's constants, and the verdict per kind of call (True: the kernel; False: the original)."""
+
+    def __init__(self, original, spec: RouterSpec, params: RouteParams, prefix: str):
+        self.original, self.spec, self.params = original, spec, params
+        self.weight = spec.linear[len(prefix):]
+        self.bias = spec.linear_bias[len(prefix):] if spec.linear_bias else None
+        self.correction = spec.correction_bias[len(prefix):] if spec.correction_bias else None
+        self.verdicts: dict = {}
+
+    def tensors(self, child):
+        return (attr_of(child, self.weight), attr_of(child, self.bias) if self.bias else None,
+                attr_of(child, self.correction) if self.correction else None)
+
+    def logits(self, child, x):
+        """The router logits as the traced ops make them (the spec's casts, ``F.linear``)."""
+        weight, bias, _ = self.tensors(child)
+        for dtype in self.spec.input_dtypes:
+            x = x.to(dtype)
+        for dtype in self.spec.weight_dtypes:
+            weight = weight.to(dtype)
+        logits = F.linear(x, weight, bias)
+        for dtype in self.spec.logits_dtypes:
+            logits = logits.to(dtype)
+        return logits
+
+    def usable(self, child, x) -> bool:
+        weight, bias, correction = self.tensors(child)
+        return (type(x) is torch.Tensor and not torch.compiler.is_compiling() and use_triton(x)
+                and x.dim() >= 2 and x.shape[-1] == weight.shape[-1] and x.device == weight.device
+                and self.params.fits(weight.shape[0])
+                and (correction is None or correction.dtype in INPUT_DTYPES)
+                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+    def kind(self, child, x):
+        weight = attr_of(child, self.weight)
+        return x.dtype, weight.dtype, x.device.type
+
+    def check(self, child, x, out) -> bool:
+        """Whether ``out`` (the original's result on ``x``) is what the kernel path returns (module docstring)."""
+        if not (isinstance(out, tuple) and len(out) == 3 and all(type(t) is torch.Tensor for t in out)):
+            return False
+        logits_o, weights_o, ids_o = out
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.logits(child, flat)
+        if logits_o.shape != logits.shape or not torch.equal(logits_o, logits):
+            return False
+        _, _, correction = self.tensors(child)
+        twin = select_experts_ref(logits, correction, self.params)
+        kernel = select_experts(logits, correction, self.params)
+        k = self.params.top_k
+        if weights_o.shape != (flat.shape[0], k) or ids_o.shape != weights_o.shape or ids_o.dtype != torch.int64 \
+                or weights_o.dtype != twin[0].dtype:
+            return False
+        if not _same_sets((weights_o, ids_o), twin, torch.zeros(flat.shape[0], dtype=torch.bool, device=x.device)):
+            return False
+        return _same_sets(kernel, twin, _near_ties(logits, correction, self.params))
+
+
+def _as_sets(weights, ids):
+    ids_sorted, order = ids.sort(dim=-1)
+    return weights.gather(-1, order), ids_sorted
+
+
+def _same_sets(got, want, excused) -> bool:
+    """The same experts with the same weights per row (fp32 summation order aside: 1e-5 relative, or one unit of a
+    16-bit output dtype, whose rounding that order may tip), rows in ``excused`` aside."""
+    w_got, i_got = _as_sets(*got)
+    w_want, i_want = _as_sets(*want)
+    keep = ~excused
+    if w_got.dtype != w_want.dtype or not torch.equal(i_got[keep], i_want[keep]):
+        return False
+    rtol = max(1e-5, torch.finfo(w_want.dtype).eps)
+    return torch.allclose(w_got[keep].float(), w_want[keep].float(), rtol=rtol, atol=1e-7)
+
+
+def _near_ties(logits, correction, params: RouteParams):
+    """Rows whose k-th and (k+1)-th choices (the twin's, group fill applied) are within ``TIE_GAP``."""
+    k = params.top_k
+    if k >= logits.shape[-1]:
+        return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    scores = torch.softmax(logits.float(), -1) if params.scoring == "softmax" else torch.sigmoid(logits.float())
+    choice = scores if correction is None else scores + correction.float()
+    top = choice.topk(k + 1, dim=-1).values
+    return (top[:, k - 1] - top[:, k]).abs() <= TIE_GAP * top[:, k - 1].abs().clamp(min=1e-30)
+
+
+def _fused_router_forward(self: nn.Module, hidden_states, *args, **kwargs):
+    plan = plan_of(self, "router")
+    if args or kwargs or not plan.usable(self, hidden_states):
+        return plan.original(hidden_states, *args, **kwargs)
+    kind = plan.kind(self, hidden_states)
+    verdict = plan.verdicts.get(kind)
+    if verdict is None:
+        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+            return plan.original(hidden_states)  # the check reads results back: not inside a capture
+        out = plan.original(hidden_states)
+        plan.verdicts[kind] = plan.check(self, hidden_states, out)
+        return out
+    if not verdict:
+        return plan.original(hidden_states)
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    logits = plan.logits(self, flat)
+    weights, ids = select_experts(logits, plan.tensors(self)[2], plan.params)
+    return logits, weights, ids
+
+
+def bind_router(block: nn.Module, match: MoEMatch) -> str:
+    """Bind the fused router forward to the child of ``block`` that holds the whole routing, or say why not."""
+    spec = match.router
+    params = route_params(spec)
+    if params is None:
+        return "router on torch (a cast, step or group scoring the selection kernel does not take)"
+    if spec.linear_is_module or "." not in spec.linear:
+        return "router on torch (the routing is not inside one child of the block)"
+    prefix = spec.linear.rsplit(".", 1)[0] + "."
+    names = [spec.linear_bias, spec.correction_bias]
+    if any(n is not None and not n.startswith(prefix) for n in names):
+        return "router on torch (its tensors live in different children)"
+    try:
+        child = block.get_submodule(prefix[:-1])
+    except AttributeError:
+        return "router on torch (no router child)"
+    if not params.fits(attr_of(block, spec.linear).shape[0]):
+        return "router on torch (more experts or a larger top-k than the selection kernel holds)"
+    if isinstance(plan_of(child, "router"), _RouterPlan):
+        return "router child on the selection kernel once checked (already)"
+    hooked = getattr(child, "_hf_hook", None) is not None and "_old_forward" in child.__dict__
+    if not hooked and "forward" in child.__dict__:
+        return "router on torch (the router child already has its own forward)"
+    original = child._old_forward if hooked else types.MethodType(type(child).forward, child)
+    set_plan(child, "router", _RouterPlan(original, spec, params, prefix))
+    child.__dict__["_old_forward" if hooked else "forward"] = types.MethodType(_fused_router_forward, child)
+    return f"router child {prefix[:-1]!r} on the selection kernel once its first GPU call agrees"

@@ -1,0 +1,232 @@
+"""MoE expert selection in one launch: scores from the router logits, optional group limit, top-k and the weight steps.
+
+Why a kernel: after the router's logits (``F.linear``, left to cuBLAS: it spreads the gate weight over many SMs), a
+replayed router is a row of small torch ops (``softmax``/``sigmoid``, the group mask, ``topk``, ``gather``,
+renormalisation, scaling): 3-10 launches per MoE layer.  A decode step at batch 1 is bound by launches, not bytes,
+so one program per token row does all of it in registers (``E <= MAX_EXPERTS``).
+
+The math (all fp32, what DeepSeek-V2/V3 do; :func:`select_experts_ref` is the same in torch ops)::
+
+    scores = softmax(logits) | sigmoid(logits)
+    choice = scores (+ correction_bias)                   # the bias steers the choice only
+    groups (n_group > 0): group score = max of the group's choice, or the sum of its top ``group_topn``;
+        the ``topk_group`` best groups stay, other experts' choice becomes ``group_fill``
+    ids = top_k(choice, after the group fill), in decreasing order
+    weights = the chosen values | scores[ids] | choice[ids]  (``weights_from``)
+    then: optional renorm (``w / (sum(w) + eps)``), up to two ``scale`` (``w * c``) / ``div`` (``w / c``) steps,
+    a cast to ``out_dtype``.
+
+Ties: the kernel's top-k is an iterative argmax, so among *exactly* equal values the lowest index wins (groups
+too); ``torch.topk`` leaves the order of ties unspecified, so ids may differ from torch's there, and only there.
+The kernel's softmax sums in another order than torch, so weights differ from the reference by a few fp32 ulps,
+and a near-tie (within those ulps) can pick the other expert.  Ids come out sorted by decreasing choice (what
+``topk(sorted=True)`` gives; the experts kernel does not care about order).  NaN scores give unspecified (but
+in-range) ids.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, next_pow2, tl, use_triton
+
+__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "RouteParams", "select_experts", "select_experts_ref", "select_experts_triton"]
+
+MAX_EXPERTS = 256  # the scores of one row stay in registers
+MAX_TOP_K = 16
+MAX_POST = 2  # scale / div steps after the renorm
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # a correction bias: loaded and widened to fp32
+
+
+@dataclass(frozen=True)
+class RouteParams:
+    """The constants of one router (see the module docstring); hashable, built once per router.
+
+    ``n_group=0``: no group limit; ``group_topn=0``: a group's score is its max.  ``post``: the ``("scale", c)``
+    / ``("div", c)`` steps after the renorm, in order.
+    """
+
+    top_k: int
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    n_group: int = 0
+    topk_group: int = 0
+    group_topn: int = 0
+    group_fill: float = 0.0
+    weights_from: str = "values"  # "values" | "scores" | "choice"
+    renorm: bool = False
+    renorm_eps: Optional[float] = None
+    post: tuple = ()
+    out_dtype: torch.dtype = torch.float32
+
+    def fits(self, num_experts: int) -> bool:
+        """Whether the kernel takes this router over ``num_experts`` experts (else: the torch path)."""
+        if not (1 <= self.top_k <= min(MAX_TOP_K, num_experts) and num_experts <= MAX_EXPERTS):
+            return False
+        if self.scoring not in ("softmax", "sigmoid") or self.weights_from not in _WEIGHTS_FROM:
+            return False
+        if len(self.post) > MAX_POST or any(op not in _POST_OPS for op, _ in self.post):
+            return False
+        if self.n_group:
+            size = num_experts // self.n_group
+            return (num_experts % self.n_group == 0 and 1 <= self.topk_group <= self.n_group
+                    and 0 <= self.group_topn <= size)
+        return True
+
+
+_WEIGHTS_FROM = {"values": 0, "scores": 1, "choice": 2}
+_POST_OPS = {"scale": 1, "div": 2}
+
+
+def select_experts_ref(logits: torch.Tensor, correction_bias: Optional[torch.Tensor], p: RouteParams):
+    """Torch twin of the kernel: the module docstring's math in torch ops on ``logits [T, E]``; returns ``(weights
+    [T, k] out_dtype, ids [T, k] int64)``, ids by decreasing choice (``torch.topk``'s order for ties)."""
+    logits = logits.float()
+    scores = torch.softmax(logits, dim=-1) if p.scoring == "softmax" else torch.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    selected = choice
+    if p.n_group:
+        grouped = choice.view(choice.shape[0], p.n_group, -1)
+        if p.group_topn:
+            group_scores = grouped.topk(p.group_topn, dim=-1)[0].sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        group_idx = torch.topk(group_scores, p.topk_group, dim=-1)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        selected = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), p.group_fill)
+    values, ids = torch.topk(selected, p.top_k, dim=-1, sorted=True)
+    weights = values if p.weights_from == "values" else (scores if p.weights_from == "scores" else choice).gather(
+        -1, ids)
+    if p.renorm:
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total if p.renorm_eps is None else total + p.renorm_eps)
+    for op, c in p.post:
+        weights = weights * c if op == "scale" else weights / c
+    return weights.to(p.out_dtype), ids
+
+
+@LazyJit
+def _select_kernel(LOGITS, CB, OUT_W, OUT_ID, stride_l, E, group_size, n_group, fill, eps, c0, c1,
+                   BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+                   TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_CORR: tl.constexpr,
+                   GROUPED: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOPN: tl.constexpr,
+                   WEIGHTS_FROM: tl.constexpr, RENORM: tl.constexpr, HAS_EPS: tl.constexpr,
+                   OP0: tl.constexpr, OP1: tl.constexpr):
+    # One program per token row.  Minimum indices are taken as -max(-i) (only MAX/SUM combines are shared).
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    valid = e < E
+    acc = tl.load(LOGITS + row * stride_l + e, mask=valid, other=0.0).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-acc))
+    else:
+        top = tl.reduce(tl.where(valid, acc, float("-inf")), 0, MAX_COMBINE)
+        ex = tl.where(valid, tl.exp(acc - top), 0.0)
+        scores = ex / tl.reduce(ex, 0, SUM_COMBINE)
+    choice = scores
+    if HAS_CORR:
+        choice = scores + tl.load(CB + e, mask=valid, other=0.0).to(tl.float32)
+    selected = choice
+    if GROUPED:  # [BLOCK_G, BLOCK_E] membership matrix: group scores, the best groups, the experts they keep
+        g = tl.arange(0, BLOCK_G)
+        member = ((e[None, :] // group_size) == g[:, None]) & valid[None, :]
+        vals = tl.where(member, choice[None, :], float("-inf"))
+        if GROUP_TOPN == 0:
+            gscore = tl.reduce(vals, 1, MAX_COMBINE)
+        else:  # sum of the top-n: take the max, drop its first occurrence, repeat
+            gscore = tl.full([BLOCK_G], 0.0, tl.float32)
+            for _ in tl.static_range(GROUP_TOPN):
+                best = tl.reduce(vals, 1, MAX_COMBINE)
+                gscore += best
+                first = -tl.reduce(tl.where(vals == best[:, None], -e[None, :], -BLOCK_E), 1, MAX_COMBINE)
+                vals = tl.where(e[None, :] == first[:, None], float("-inf"), vals)
+        kept = tl.full([BLOCK_G], 0, tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            cand = (g < n_group) & (kept == 0)
+            best = tl.reduce(tl.where(cand, gscore, float("-inf")), 0, MAX_COMBINE)
+            first = -tl.reduce(tl.where(cand & (gscore == best), -g, -BLOCK_G), 0, MAX_COMBINE)
+            kept = tl.where(g == first, 1, kept)
+        allowed = tl.reduce(tl.where(member & (kept[:, None] == 1), 1, 0), 0, MAX_COMBINE)
+        selected = tl.where(allowed == 1, choice, fill)
+    k = tl.arange(0, BLOCK_K)
+    weights = tl.full([BLOCK_K], 0.0, tl.float32)
+    ids = tl.full([BLOCK_K], 0, tl.int32)
+    taken = tl.full([BLOCK_E], 0, tl.int32)
+    for i in tl.static_range(TOP_K):  # iterative argmax: the lowest index wins among equal values
+        cand = valid & (taken == 0)
+        best = tl.reduce(tl.where(cand, selected, float("-inf")), 0, MAX_COMBINE)
+        pick = -tl.reduce(tl.where(cand & (selected == best), -e, -BLOCK_E), 0, MAX_COMBINE)
+        pick = tl.minimum(pick, E - 1)  # (no lane equals a NaN best: keep the id in range)
+        hit = e == pick
+        taken = tl.where(hit, 1, taken)
+        if WEIGHTS_FROM == 0:
+            w = best
+        elif WEIGHTS_FROM == 1:
+            w = tl.reduce(tl.where(hit, scores, float("-inf")), 0, MAX_COMBINE)
+        else:
+            w = tl.reduce(tl.where(hit, choice, float("-inf")), 0, MAX_COMBINE)
+        weights = tl.where(k == i, w, weights)
+        ids = tl.where(k == i, pick, ids)
+    if RENORM:
+        total = tl.reduce(weights, 0, SUM_COMBINE)  # lanes past TOP_K hold 0
+        if HAS_EPS:
+            total = total + eps
+        weights = weights / total
+    if OP0 == 1:
+        weights = weights * c0
+    elif OP0 == 2:
+        weights = weights / c0
+    if OP1 == 1:
+        weights = weights * c1
+    elif OP1 == 2:
+        weights = weights / c1
+    out = row * TOP_K + k
+    tl.store(OUT_W + out, weights.to(OUT_W.dtype.element_ty), mask=k < TOP_K)
+    tl.store(OUT_ID + out, ids.to(tl.int64), mask=k < TOP_K)
+
+
+@functools.lru_cache(maxsize=64)  # (asked at every call)
+def _tiles(num_experts: int, n_group: int, top_k: int) -> tuple[int, int, int, int]:
+    block_e = next_pow2(num_experts)
+    return block_e, next_pow2(max(n_group, 1)), next_pow2(top_k), 1 if block_e <= 64 else 2
+
+
+def select_experts_triton(logits: torch.Tensor, correction_bias: Optional[torch.Tensor], p: RouteParams):
+    """Triton path of :func:`select_experts` (no dispatch); rows are made unit-stride if needed."""
+    rows, num_experts = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    out_w = logits.new_empty((rows, p.top_k), dtype=p.out_dtype)
+    out_id = logits.new_empty((rows, p.top_k), dtype=torch.int64)
+    if rows == 0:
+        return out_w, out_id
+    block_e, block_g, block_k, warps = _tiles(num_experts, p.n_group, p.top_k)
+    ops = [_POST_OPS[op] for op, _ in p.post] + [0] * (MAX_POST - len(p.post))
+    args = [float(c) for _, c in p.post] + [1.0] * (MAX_POST - len(p.post))
+    _select_kernel[(rows,)](
+        logits, correction_bias if correction_bias is not None else logits, out_w, out_id, logits.stride(0),
+        num_experts, num_experts // max(p.n_group, 1), p.n_group, float(p.group_fill),
+        float(p.renorm_eps) if p.renorm_eps is not None else 0.0, args[0], args[1],
+        BLOCK_E=block_e, BLOCK_G=block_g, BLOCK_K=block_k, TOP_K=p.top_k,
+        SIGMOID=p.scoring == "sigmoid", HAS_CORR=correction_bias is not None,
+        GROUPED=p.n_group > 0, TOPK_GROUP=max(p.topk_group, 1), GROUP_TOPN=p.group_topn,
+        WEIGHTS_FROM=_WEIGHTS_FROM[p.weights_from], RENORM=p.renorm, HAS_EPS=p.renorm_eps is not None,
+        OP0=ops[0], OP1=ops[1], num_warps=warps,
+    )
+    return out_w, out_id
+
+
+def select_experts(logits: torch.Tensor, correction_bias: Optional[torch.Tensor], p: RouteParams):
+    """Select ``p.top_k`` experts per row of ``logits [T, E]`` (fp32; ``correction_bias [E]`` or None) as ``p``
+    says; returns ``(weights [T, k] p.out_dtype, ids [T, k] int64)``, ids by decreasing choice.
+
+    The caller checks ``p.fits(E)``.  Backend: ``dispatch.use_triton(logits)``, else :func:`select_experts_ref`.
+    No backward and no custom op: callers keep autograd and torch.compile on torch (``fusers.moe.router_binding``
+    does)."""
+    if use_triton(logits) and logits.dtype == torch.float32 and (
+            correction_bias is None or correction_bias.dtype in INPUT_DTYPES):
+        return select_experts_triton(logits, correction_bias, p)
+    return select_experts_ref(logits, correction_bias, p)
