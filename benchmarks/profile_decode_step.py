@@ -41,6 +41,14 @@ def _rotary_recipes(model) -> list:
     return sorted(found)
 
 
+def _router_verdicts(model) -> list:
+    """Whether each bound router child took the selection kernel at its first run (``router_binding``)."""
+    from mla_fuser.plans import plan_of
+
+    return sorted({str(v) for m in model.modules() if plan_of(m, "router") is not None
+                   for v in plan_of(m, "router").verdicts.values()})
+
+
 def profile_shape(model, batch: int, length: int, replays: int, device: str, layers: int):
     from torch.profiler import ProfilerActivity, profile
 
@@ -69,7 +77,7 @@ def profile_shape(model, batch: int, length: int, replays: int, device: str, lay
                 torch.cuda.synchronize()
     events = _kernel_events(prof)
     row = {"batch": batch, "context": length, "replays": replays, "kernels_per_step": len(events) / replays,
-           "rotary_recipes": _rotary_recipes(model)}
+           "rotary_recipes": _rotary_recipes(model), "router_on_kernel": _router_verdicts(model)}
     if not events:
         return row
     busy = sum(e.time_range.elapsed_us() for e in events) / replays
@@ -112,7 +120,7 @@ def main():
         batch, length = (int(v) for v in shape.split("x"))
         row = profile_shape(model, batch, length, args.replays, device, layers)
         result["runs"].append(row)
-        print(f"{shape}: {row['kernels_per_step']:.0f} kernels/step, rotary {row['rotary_recipes']}, "
+        print(f"{shape}: {row['kernels_per_step']:.0f} kernels/step, rotary {row['rotary_recipes']}, router kernel {row['router_on_kernel']}, "
               f"busy {row.get('kernel_us_per_step', 0):.0f} us, span {row.get('span_us_per_step', 0):.0f} us")
         for item in row.get("by_name", [])[:25]:
             print(f"   {item['us_per_step']:8.1f} us {item['per_step']:6.1f}x  {item['name']}")
