@@ -83,12 +83,23 @@ def test_check_refuses_outputs_that_are_not_logits_weights_ids(interpreted):
     x = torch.randn(5, fused.config.hidden_size, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits, weights, ids = plan.original(x)
-        assert plan.check(gate, x, (logits, weights, ids))
-        assert not plan.check(gate, x, (ids, weights, logits))  # another order
-        assert not plan.check(gate, x, (logits, weights * 2, ids))  # another scale
-        assert not plan.check(gate, x, (logits + 1e-3, weights, ids))  # other logits
-        assert not plan.check(gate, x, (logits, weights))
-        assert not plan.check(gate, x, logits)
+        assert plan.check(gate, x, (logits, weights, ids)) is not None
+        assert plan.check(gate, x, (ids, weights, logits)) is None  # another order
+        assert plan.check(gate, x, (logits, weights * 2, ids)) is None  # another scale
+        assert plan.check(gate, x, (logits + 1e-3, weights, ids)) is None  # other logits
+        assert plan.check(gate, x, (logits, weights)) is None
+        assert plan.check(gate, x, logits) is None
+
+
+def test_checking_call_answers_as_later_calls_do(interpreted):
+    fused = tiny_deepseek(arch="deepseek_v3", attn="vllm_mla", layers=2)
+    mla_fuser.fuse(fused)
+    gate = _gate(fused)
+    x = torch.randn(7, fused.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        first, second = gate(x), gate(x)
+    assert list(plan_of(gate, "router").verdicts.values()) == [True]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def test_cpu_without_the_interpreter_runs_the_original():

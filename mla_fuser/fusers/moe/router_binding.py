@@ -109,25 +109,28 @@ class _RouterPlan:
         weight = attr_of(child, self.weight)
         return x.dtype, weight.dtype, x.device.type
 
-    def check(self, child, x, out) -> bool:
-        """Whether ``out`` (the original's result on ``x``) is what the kernel path returns (module docstring)."""
+    def check(self, child, x, out):
+        """The kernel path's result on ``x`` when ``out`` (the original's) agrees with it (module docstring), else
+        None."""
         if not (isinstance(out, tuple) and len(out) == 3 and all(type(t) is torch.Tensor for t in out)):
-            return False
+            return None
         logits_o, weights_o, ids_o = out
         flat = x.reshape(-1, x.shape[-1])
         logits = self.logits(child, flat)
         if logits_o.shape != logits.shape or not torch.equal(logits_o, logits):
-            return False
+            return None
         _, _, correction = self.tensors(child)
         twin = select_experts_ref(logits, correction, self.params)
         kernel = select_experts(logits, correction, self.params)
         k = self.params.top_k
         if weights_o.shape != (flat.shape[0], k) or ids_o.shape != weights_o.shape or ids_o.dtype != torch.int64 \
                 or weights_o.dtype != twin[0].dtype:
-            return False
+            return None
         if not _same_sets((weights_o, ids_o), twin, torch.zeros(flat.shape[0], dtype=torch.bool, device=x.device)):
-            return False
-        return _same_sets(kernel, twin, _near_ties(logits, correction, self.params))
+            return None
+        if not _same_sets(kernel, twin, _near_ties(logits, correction, self.params)):
+            return None
+        return logits, *kernel
 
 
 def _as_sets(weights, ids):
@@ -168,8 +171,11 @@ def _fused_router_forward(self: nn.Module, hidden_states, *args, **kwargs):
         if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
             return plan.original(hidden_states)  # the check reads results back: not inside a capture
         out = plan.original(hidden_states)
-        plan.verdicts[kind] = plan.check(self, hidden_states, out)
-        return out
+        ours = plan.check(self, hidden_states, out)
+        plan.verdicts[kind] = ours is not None
+        # the checking call returns what every later call of its kind will (the kernel's routing once adopted:
+        # a first call routed by torch and later ones by the kernel could order or round differently)
+        return out if ours is None else ours
     if not verdict:
         return plan.original(hidden_states)
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
