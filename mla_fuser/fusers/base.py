@@ -8,6 +8,7 @@ same class with and without q-LoRA is two entries, and a 60-layer model traces e
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -149,3 +150,38 @@ def common_input_width(module: nn.Module) -> int | None:
     best = max(counts.values())
     winners = [w for w, c in counts.items() if c == best]
     return winners[0] if len(winners) == 1 else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# instance forwards
+
+
+def bind_instance_forward(module: nn.Module, fused, wrap_own: bool = False) -> tuple:
+    """Bind ``fused`` (a function of ``(self, ...)``) as the forward of this *instance* (never its class).
+
+    Under an accelerate hook (``device_map`` dispatch, offload) what the hook wraps (``_old_forward``) is replaced, so
+    the hook keeps running around the fused forward and ``remove_hook_from_module`` restores it.  Returns
+    ``(original, "")``, the bound forward it replaced, or ``(None, reason)`` when the instance already has a forward
+    of its own (someone else's binding: not ours to wrap), unless ``wrap_own`` (the Mamba mixers' fused forward
+    calls whatever forward the instance had)."""
+    hooked = getattr(module, "_hf_hook", None) is not None and "_old_forward" in module.__dict__
+    if hooked:
+        original = module._old_forward
+    elif "forward" in module.__dict__:
+        if not wrap_own:
+            return None, "the instance already has its own forward"
+        original = module.__dict__["forward"]
+    else:
+        original = types.MethodType(type(module).forward, module)
+    module.__dict__["_old_forward" if hooked else "forward"] = types.MethodType(fused, module)
+    return original, ""
+
+
+def unbind_instance_forward(module: nn.Module, original) -> None:
+    """Undo :func:`bind_instance_forward` (``original`` is what it returned)."""
+    if getattr(module, "_hf_hook", None) is not None and "_old_forward" in module.__dict__:
+        module.__dict__["_old_forward"] = original
+    elif getattr(original, "__self__", None) is module and original.__func__ is type(module).forward:
+        module.__dict__.pop("forward", None)  # the class's own: no instance forward, as before
+    else:
+        module.__dict__["forward"] = original

@@ -20,7 +20,6 @@ or why not; the MoE fuser's row for the block around them follows as for any exp
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ from torch import nn
 from ..kernels.fp8 import BlockFP8Layout, block_fp8_linear, explain_block_fp8, holds_quantized_weight
 from ..kernels.fp8.experts import holds_fp8_experts
 from ..kernels.fp8.format import FP8_DTYPE, PLAN_ATTR, SCALE_NAME
-from .base import FusionRow, NoMatch
+from .base import FusionRow, NoMatch, bind_instance_forward
 from .moe.experts import explain_fp8_experts_module, interface_experts_dispatcher, switch_experts
 
 NAME = "fp8"
@@ -85,15 +84,12 @@ class FP8LinearFuser:
         if fp8_plan(module) is not None:
             row.status, row.reason = "fused", "already fused"
             return row
-        hooked = getattr(module, "_hf_hook", None) is not None and "_old_forward" in module.__dict__
-        slot = "_old_forward" if hooked else "forward"  # under an accelerate hook, replace what it wraps
-        if not hooked and "forward" in module.__dict__:
-            row.reason = "the instance already has its own forward"
-            return row
-        original = module._old_forward if hooked else types.MethodType(type(module).forward, module)
         dtype = compute_dtype or _own_float_dtype(module) or torch.get_default_dtype()
+        original, why_not = bind_instance_forward(module, _fused_forward)
+        if original is None:
+            row.reason = why_not
+            return row
         object.__setattr__(module, PLAN_ATTR, FP8LinearPlan(layout, original, dtype))
-        module.__dict__[slot] = types.MethodType(_fused_forward, module)
         row.status = "fused"
         row.reason = f"{layout.describe()}: {KERNEL}"
         if layout.static_activation_scale:

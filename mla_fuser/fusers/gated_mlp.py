@@ -55,7 +55,8 @@ from ..kernels.act_mul import act_mul, act_mul_ref
 from ..kernels.dispatch import launches_are_free, use_triton
 from ..plans import clear_plan, plan_of, set_plan
 from ..rewrite import StackedLinear
-from .base import Fuser, FusionRow, NoMatch, common_input_width, shape_key
+from .base import (Fuser, FusionRow, NoMatch, bind_instance_forward, common_input_width, shape_key,
+                   unbind_instance_forward)
 from .moe.mlp import fingerprint, mlp_spec
 
 _REFERENCES = {
@@ -161,21 +162,15 @@ class GatedMLPFuser(Fuser):
         if any(lin.weight.device.type == "meta" for lin in (gate, up, module.get_submodule(match.down))):
             row.reason = "meta weights: the fused forward cannot be checked"
             return row
-        hooked = getattr(module, "_hf_hook", None) is not None and "_old_forward" in module.__dict__
-        slot = "_old_forward" if hooked else "forward"  # under an accelerate hook, replace what it wraps
-        if not hooked and "forward" in module.__dict__:
-            row.reason = "the instance already has its own forward"
+        original, why_not = bind_instance_forward(module, _fused_forward)
+        if original is None:
+            row.reason = why_not
             return row
-        original = module._old_forward if hooked else types.MethodType(type(module).forward, module)
         stacked = StackedLinear(gate, up, owner=module, names=(match.gate, match.up))
         set_plan(module, "mlp", _MLPPlan(match, original, stacked))
-        module.__dict__[slot] = types.MethodType(_fused_forward, module)
-        problem = _check_against_original(module, match, original, module.__dict__[slot])
+        problem = _check_against_original(module, match, original, types.MethodType(_fused_forward, module))
         if problem:
-            if hooked:
-                module.__dict__[slot] = original
-            else:
-                del module.__dict__[slot]
+            unbind_instance_forward(module, original)
             clear_plan(module, "mlp")
             row.reason = f"fused forward differs from the original: {problem}"
             return row

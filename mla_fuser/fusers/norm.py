@@ -33,7 +33,6 @@ A mismatch restores the original forward and reports a fallback.
 from __future__ import annotations
 
 import inspect
-import types
 import warnings
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -47,7 +46,7 @@ from ..fx_ops import CAST_METHODS, arg, is_number, meta_dtype, op_name
 from ..kernels.dispatch import launches_are_free, use_triton
 from ..kernels.rms_norm import KERNEL_DTYPES, rms_norm, rms_norm_ref
 from ..plans import clear_plan, plan_of, set_plan
-from .base import Fuser, FusionRow, NoMatch, shape_key
+from .base import Fuser, FusionRow, NoMatch, bind_instance_forward, shape_key, unbind_instance_forward
 
 _TRACE_DTYPES = (torch.bfloat16, torch.float16)  # two 16-bit inputs: casts back to "the input dtype" are told apart
 
@@ -123,20 +122,14 @@ class NormFuser(Fuser):
         if weight.device.type == "meta":
             row.reason = "meta weights: the fused forward cannot be checked"
             return row
-        hooked = getattr(module, "_hf_hook", None) is not None and "_old_forward" in module.__dict__
-        slot = "_old_forward" if hooked else "forward"  # under an accelerate hook, replace what it wraps
-        if not hooked and "forward" in module.__dict__:
-            row.reason = "the instance already has its own forward"
+        original, why_not = bind_instance_forward(module, _fused_forward)
+        if original is None:
+            row.reason = why_not
             return row
-        original = module._old_forward if hooked else types.MethodType(type(module).forward, module)
         set_plan(module, "norm", _NormPlan(match, original))
-        module.__dict__[slot] = types.MethodType(_fused_forward, module)
         problem = _check_against_original(module, match, original)
         if problem:
-            if hooked:
-                module.__dict__[slot] = original
-            else:
-                del module.__dict__[slot]
+            unbind_instance_forward(module, original)
             clear_plan(module, "norm")
             row.reason = f"fused forward differs from the original: {problem}"
             return row

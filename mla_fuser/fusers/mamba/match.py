@@ -12,7 +12,6 @@ The top of the package: it imports every other module, none imports it.
 
 from __future__ import annotations
 
-import types
 
 import torch
 from torch import nn
@@ -20,7 +19,7 @@ from torch import nn
 from ... import compat
 from ... import graph as g
 from ...plans import plan_of, set_plan
-from ..base import Fuser, FusionRow, NoMatch
+from ..base import Fuser, FusionRow, NoMatch, bind_instance_forward
 from .analysis import Analysis
 from .forward import REFERENCE, fused_forward, mixer_forward
 from .specs import MambaMatch, MambaPlan
@@ -97,15 +96,12 @@ class MambaFuser(Fuser):
             low = ".".join(map(str, compat.FEATURE_MIN_VERSION["mamba"]))
             row.reason = f"the installed transformers' Cache lacks {missing} (Mamba fusion needs transformers>={low})"
             return row
-        hooked = getattr(module, "_hf_hook", None) is not None and "_old_forward" in module.__dict__
-        # under an accelerate hook (device_map dispatch, offload) replace what the hook wraps, so it keeps running
-        plan = MambaPlan(match, module._old_forward if hooked else module.forward, forward_signature(module))
-        set_plan(module, "mamba", plan)
-        fused = types.MethodType(fused_forward, module)
-        if hooked:
-            module._old_forward = fused
-        else:
-            module.forward = fused
+        signature = forward_signature(module)
+        original, why_not = bind_instance_forward(module, fused_forward, wrap_own=True)
+        if original is None:
+            row.reason = why_not
+            return row
+        set_plan(module, "mamba", MambaPlan(match, original, signature))
         row.status, row.reason = "fused", match.describe()
         return row
 

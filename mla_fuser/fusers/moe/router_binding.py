@@ -21,7 +21,6 @@ made inside a CUDA-graph capture.  The kernel's ids come out by decreasing choic
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +30,7 @@ from ...fx_ops import attr_of
 from ...kernels.dispatch import use_triton
 from ...kernels.moe_router import INPUT_DTYPES, MAX_POST, RouteParams, select_experts, select_experts_ref
 from ...plans import plan_of, set_plan
+from ..base import bind_instance_forward
 from .specs import MoEMatch, RouterSpec
 
 _FP32 = torch.float32
@@ -204,10 +204,8 @@ def bind_router(block: nn.Module, match: MoEMatch) -> str:
         return "router on torch (more experts or a larger top-k than the selection kernel holds)"
     if isinstance(plan_of(child, "router"), _RouterPlan):
         return "router child on the selection kernel once checked (already)"
-    hooked = getattr(child, "_hf_hook", None) is not None and "_old_forward" in child.__dict__
-    if not hooked and "forward" in child.__dict__:
-        return "router on torch (the router child already has its own forward)"
-    original = child._old_forward if hooked else types.MethodType(type(child).forward, child)
+    original, why_not = bind_instance_forward(child, _fused_router_forward)
+    if original is None:
+        return f"router on torch ({why_not})"
     set_plan(child, "router", _RouterPlan(original, spec, params, prefix))
-    child.__dict__["_old_forward" if hooked else "forward"] = types.MethodType(_fused_router_forward, child)
     return f"router child {prefix[:-1]!r} on the selection kernel once its first GPU call agrees"
