@@ -104,7 +104,10 @@ class StackedLinear:
     def _current(self) -> tuple[nn.Module, nn.Module]:
         if self.owner is None:
             return self.first, self.second
-        return self.owner.get_submodule(self.names[0]), self.owner.get_submodule(self.names[1])
+        a, b = self.names
+        children = self.owner._modules  # (direct children, the usual case, without get_submodule's walk)
+        return (children[a] if a in children else self.owner.get_submodule(a),
+                children[b] if b in children else self.owner.get_submodule(b))
 
     def _aliased(self) -> bool:
         w = self.weight
@@ -173,6 +176,14 @@ class StackedLinear:
 
     def __call__(self, x: torch.Tensor):
         first, second = self._current()
+        weight = self.weight
+        if (weight is not None and first is self.first and second is self.second and self.fp8_scale is None
+                and not torch.is_grad_enabled() and x.device == weight.device and is_plain_linear(first)
+                and is_plain_linear(second) and not torch.compiler.is_compiling() and self._aliased()):
+            # the common inference call, decided in a few checks (it runs at every layer of an eager step): the
+            # originals are still the views of the stack on the input's device, so none of ``_direct``'s cases
+            # (meta, another device, DTensor; tensor-parallel hooks only matter while gradients are recorded) holds
+            return tuple(nn.functional.linear(x, weight, self.bias).split(self.sizes, dim=-1))
         if torch.compiler.is_compiling() or not (is_plain_linear(first) and is_plain_linear(second)):
             return first(x), second(x)
         if first is not self.first or second is not self.second:  # replaced since stacked: drop the stale stack

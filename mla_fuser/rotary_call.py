@@ -86,8 +86,8 @@ class RotaryCall:
                 tuple((t.dtype, t.dim(), t.shape[-1]) if isinstance(t, torch.Tensor) else type(t) for t in tables))
 
     def __call__(self, fn, q, k, *tables, **kwargs):
-        if (kwargs or torch.compiler.is_compiling() or type(q) is not torch.Tensor  # (no subclasses: DTensor, fake)
-                or type(k) is not torch.Tensor or not use_triton(q, k)
+        if (type(q) is not torch.Tensor or not use_triton(q) or kwargs  # (no subclasses: DTensor, fake)
+                or type(k) is not torch.Tensor or torch.compiler.is_compiling()
                 or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
             return fn(q, k, *tables, **kwargs)
         kind = self._kind(fn, q, k, tables)

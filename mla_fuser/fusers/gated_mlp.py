@@ -288,11 +288,15 @@ def _fused_forward(self: nn.Module, *args, **kwargs):
         return plan.original(*args, **kwargs)
     m = plan.match
     gate, up = plan.stacked(x)
-    if gate.is_cuda and not launches_are_free() and gate.numel() < EAGER_MIN_ROWS * m.intermediate_size:
-        h = act_mul_ref(gate, up, m.activation)  # eager, few rows: two torch launches cost less host time
-    else:
-        h = act_mul(gate, up, m.activation)
-    return self.get_submodule(m.down)(h)
+    if gate.is_cuda:
+        if not launches_are_free() and gate.numel() < EAGER_MIN_ROWS * m.intermediate_size:
+            h = act_mul_ref(gate, up, m.activation)  # eager, few rows: two torch launches cost less host time
+        else:
+            h = act_mul(gate, up, m.activation)
+    else:  # (the twin directly where no kernel runs: this is every MLP call of an eager CPU step)
+        h = act_mul(gate, up, m.activation) if use_triton(gate) else act_mul_ref(gate, up, m.activation)
+    down = self._modules.get(m.down)
+    return (down if down is not None else self.get_submodule(m.down))(h)
 
 
 def _any_requires_grad(module: nn.Module) -> bool:

@@ -98,9 +98,10 @@ class _RouterPlan:
         return logits
 
     def usable(self, child, x) -> bool:
+        if type(x) is not torch.Tensor or not use_triton(x) or torch.compiler.is_compiling():
+            return False  # (first: on CPU, where this ends every call, the rest is not looked at)
         weight, bias, correction = self.tensors(child)
-        return (type(x) is torch.Tensor and not torch.compiler.is_compiling() and use_triton(x)
-                and x.dim() >= 2 and x.shape[-1] == weight.shape[-1] and x.device == weight.device
+        return (x.dim() >= 2 and x.shape[-1] == weight.shape[-1] and x.device == weight.device
                 and self.params.fits(weight.shape[0])
                 and (correction is None or correction.dtype in INPUT_DTYPES)
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
