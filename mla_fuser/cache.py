@@ -303,15 +303,16 @@ class PagedLatentLayer(CacheLayerMixin):
             kv_c, k_pe = kv_c.to(pages.dtype), k_pe.to(pages.dtype)
         # destinations from the block table and the lengths, in the kernel: one launch, no index arithmetic; on the
         # layer's device (device_map splits), not the current one
+        # (the lengths move past the step inside the append: for one token, in its kernel)
         if pages.is_cuda:
             with on_device(pages):
-                paged_append(pages, self.block_table, self.seq_lens, kv_c, k_pe)
+                paged_append(pages, self.block_table, self.seq_lens, kv_c, k_pe, advance=True)
         elif not torch.compiler.is_compiling() and not use_triton(pages):
             # what the op runs on CPU (paged_cpu), from the host lists this layer keeps: no tensor read, no dispatch
             append_rows(pages, self.host_tables, self.host_lens, kv_c, k_pe)
+            self.seq_lens += new
         else:
-            paged_append(pages, self.block_table, self.seq_lens, kv_c, k_pe)
-        self.seq_lens += new
+            paged_append(pages, self.block_table, self.seq_lens, kv_c, k_pe, advance=True)
         self.host_lens = target
         return self._stand_ins(key_states, value_states, target[0] if target else 0)
 

@@ -343,6 +343,26 @@ def test_paged_append_triton_vs_ref(interp, rope, dtype, new):
             assert torch.equal(kv[table[b, pos // ps], pos % ps], torch.cat([kv_c[b, t], k_pe[b, t]]))
 
 
+@pytest.mark.parametrize("new", [1, 3])
+def test_paged_append_advance_moves_the_lengths_past_the_step(interp, new):
+    """``advance=True``: the same rows written, and the lengths moved by ``new`` (for one token inside the kernel,
+    which then also reads each length once before writing it back)."""
+    g = _seed(23)
+    P, ps, r, rope, B = 10, 4, 16, 8, 3
+    kv = torch.randn(P, ps, r + rope, generator=g)
+    kv_ref = kv.clone()
+    table = torch.randperm(P, generator=g)[: B * 3].view(B, 3).to(torch.int32)
+    lens = torch.tensor([0, 3, 6], dtype=torch.int32)
+    kv_c, k_pe = torch.randn(B, new, r, generator=g), torch.randn(B, new, rope, generator=g)
+    pco.paged_append_ref(kv_ref, table, lens, kv_c, k_pe)
+    moved = lens.clone()
+    pco.paged_append(kv, table, moved, kv_c, k_pe, advance=True)
+    assert torch.equal(kv, kv_ref) and torch.equal(moved, lens + new)
+    unmoved = lens.clone()
+    pco.paged_append(kv, table, unmoved, kv_c, k_pe)
+    assert torch.equal(unmoved, lens)
+
+
 def test_paged_write_then_decode_roundtrip(interp):
     """Fill a shuffled cache token by token with paged_write, gather it back, decode from it."""
     g = _seed(21)

@@ -201,11 +201,15 @@ def _paged_append_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_ROPE: tl.constexpr,
+    ADVANCE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // NEW
     t = pid % NEW
-    pos = tl.load(LENS + b).to(tl.int64) + t
+    length = tl.load(LENS + b)
+    pos = length.to(tl.int64) + t
+    if ADVANCE:  # (only with one new token: this program is then the only one that reads its length)
+        tl.store(LENS + b, length + 1)
     page = tl.load(TABLE + b.to(tl.int64) * stride_tb + pos // PAGE_SIZE).to(tl.int64)
     dst = KV + page * stride_kvp + (pos % PAGE_SIZE) * stride_kvt
     offs_v = tl.arange(0, BLOCK_V)
@@ -219,7 +223,7 @@ def _paged_append_kernel(
         tl.store(dst + V_DIM + offs_r, pe.to(KV.dtype.element_ty), mask=mr)
 
 
-def paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
+def paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe, advance: bool = False) -> None:
     """Triton path of :func:`paged_append` (no dispatch)."""
     batch, new, v_dim = kv_c.shape
     rope = 0 if k_pe is None else k_pe.shape[-1]
@@ -229,6 +233,7 @@ def paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
         raise ValueError("block_table must be [B, max_pages] and seq_lens [B] for kv_c [B, S, v]")
     if batch * new == 0:
         return
+    in_kernel = advance and new == 1  # one program per sequence: it may write back the length it read
     if kv_pages.stride(-1) != 1 or block_table.stride(-1) != 1:
         raise ValueError("kv_pages rows and block-table rows must be unit-stride")
     kv_c = kv_c if kv_c.stride(-1) == 1 else kv_c.contiguous()
@@ -243,9 +248,11 @@ def paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
         kv_stride[0], kv_stride[1], block_table.stride(0),
         c_stride[0], c_stride[1], pe_stride[0], pe_stride[1],
         PAGE_SIZE=kv_pages.shape[1], BLOCK_V=block_v,
-        BLOCK_R=block_r, HAS_ROPE=rope > 0,
+        BLOCK_R=block_r, HAS_ROPE=rope > 0, ADVANCE=in_kernel,
         num_warps=warps,
     )  # fmt: skip
+    if advance and not in_kernel:
+        seq_lens += new
 
 
 @functools.lru_cache(maxsize=256)  # (asked at every append: a few ints per row width)
@@ -253,30 +260,35 @@ def _append_tiles(v_dim: int, rope: int) -> tuple[int, int, int]:
     return next_pow2(v_dim), next_pow2(max(rope, 1)), 4 if v_dim + rope >= 256 else 1
 
 
-@kernel_op("paged_append", mutates_args=("kv_pages",))
+@kernel_op("paged_append", mutates_args=("kv_pages", "seq_lens"))
 def _paged_append_op(kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                     kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+                     kv_c: torch.Tensor, k_pe: torch.Tensor, advance: bool) -> None:
+    if use_triton(kv_pages) and not is_fp8(kv_pages):
+        paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe, advance)
+        return
     if use_triton(kv_pages):
-        (paged_append_fp8_triton if is_fp8(kv_pages) else paged_append_triton)(kv_pages, block_table, seq_lens,
-                                                                                kv_c, k_pe)
+        paged_append_fp8_triton(kv_pages, block_table, seq_lens, kv_c, k_pe)
     elif kv_pages.is_cpu:  # host reads are free there: slots as ints, a copy per page (paged_cpu)
         paged_append_cpu(kv_pages, block_table, seq_lens, kv_c, k_pe)
     else:
         paged_append_ref(kv_pages, block_table, seq_lens, kv_c, k_pe)
+    if advance:
+        seq_lens += kv_c.shape[1]
 
 
 @_paged_append_op.register_fake
-def _paged_append_fake(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
+def _paged_append_fake(kv_pages, block_table, seq_lens, kv_c, k_pe, advance) -> None:
     return None
 
 
-def paged_append(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
+def paged_append(kv_pages, block_table, seq_lens, kv_c, k_pe, advance: bool = False) -> None:
     """Append a step's latents to every sequence of a paged cache, in place.
 
     Args:
         kv_pages: ``[num_pages, page_size, D]`` cache, modified in place.
         block_table: int32 ``[B, max_pages]``; seq_lens: int32 ``[B]``, the tokens each sequence holds *before*
-            this step (not updated here).
+            this step; with ``advance`` they are moved past the step in place (for a one-token step inside the
+            Triton kernel: one launch fewer per layer of a decode step), else left as they are.
         kv_c: ``[B, S, v_dim]``; k_pe: ``[B, S, rope]`` (or None): token ``t`` of sequence ``b`` is written at
             position ``seq_lens[b] + t``.
     Why: the destination slots come from device memory inside the kernel, so a step costs one launch and no
@@ -287,4 +299,4 @@ def paged_append(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
     """
     if k_pe is None:
         k_pe = kv_c.new_empty((*kv_c.shape[:2], 0))
-    _paged_append_op(kv_pages, block_table, seq_lens, kv_c, k_pe)
+    _paged_append_op(kv_pages, block_table, seq_lens, kv_c, k_pe, bool(advance))
