@@ -343,6 +343,29 @@ def test_paged_append_triton_vs_ref(interp, rope, dtype, new):
             assert torch.equal(kv[table[b, pos // ps], pos % ps], torch.cat([kv_c[b, t], k_pe[b, t]]))
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_rope_part_apart_equals_the_joined_query(interp, splits):
+    """``q_rope`` given: ``q`` is the latent part (here a strided view, as the absorption's bmm leaves it) and the
+    kernel reads both where they are; the result is the joined query's, bitwise; the torch path joins them."""
+    r, rope, H = 16, 8, 3
+    q, kv, bt, lens = make_case([5, 19, 0], H, r, rope, 4, torch.float32, seed=31)
+    scale = (r + rope) ** -0.5
+    joined = md.mla_decode(q, kv, bt, lens, scale, r, num_splits=splits)
+    heads_first = q[..., :r].transpose(0, 1).contiguous().transpose(0, 1)  # [B, H, r] with strides (r, B*r, 1)
+    apart = md.mla_decode(heads_first, kv, bt, lens, scale, r, num_splits=splits, q_rope=q[..., r:])
+    assert torch.equal(apart, joined)
+    with pytest.raises(ValueError, match="q_rope"):
+        md.mla_decode(q, kv, bt, lens, scale, r, q_rope=q[..., r:])  # q must then be the latent part only
+
+
+def test_rope_part_apart_on_the_torch_path():
+    r, rope, H = 16, 8, 2
+    q, kv, bt, lens = make_case([7, 2], H, r, rope, 4, torch.float32, seed=32)
+    scale = (r + rope) ** -0.5
+    assert torch.equal(md.mla_decode(q[..., :r], kv, bt, lens, scale, r, q_rope=q[..., r:]),
+                       md.mla_decode(q, kv, bt, lens, scale, r))
+
+
 @pytest.mark.parametrize("new", [1, 3])
 def test_paged_append_advance_moves_the_lengths_past_the_step(interp, new):
     """``advance=True``: the same rows written, and the lengths moved by ``new`` (for one token inside the kernel,

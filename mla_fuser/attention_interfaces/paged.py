@@ -65,23 +65,32 @@ def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts=None):
     tokens before ``starts[b]`` are not attended."""
     pages = view.pages
     fp8 = is_fp8(pages)  # an FP8 cache: q stays in the latent's dtype, the kernel converts the e4m3 rows to it
-    kernel = mla_decode_fp8 if fp8 else mla_decode
     block_table, seq_lens, tokens = view.block_table, view.seq_lens, query.shape[2]
     if tokens > 1:  # one kernel row per token: its sequence's pages, its own end (all on the device, no sync)
         back = torch.arange(tokens - 1, -1, -1, device=seq_lens.device, dtype=seq_lens.dtype)
         seq_lens = (seq_lens.view(-1, 1) - back).reshape(-1)
         block_table = block_table.repeat_interleave(tokens, dim=0)
         starts = None if starts is None else starts.repeat_interleave(tokens)
-    return absorbed_decode(
-        query, w_uk, w_uv, b_v, m, view.new_kv_c.dtype if fp8 else pages.dtype,
-        lambda q_abs: kernel(q_abs, pages, block_table, seq_lens, scaling, m.kv_lora_rank, starts=starts))
+    if fp8:
+        def attend(q_lat, q_pe):
+            return mla_decode_fp8(joined(q_lat, q_pe), pages, block_table, seq_lens, scaling, m.kv_lora_rank,
+                                  starts=starts)
+    else:  # the bf16 kernel reads the latent and rope parts where they are: no joined copy
+        def attend(q_lat, q_pe):
+            return mla_decode(q_lat, pages, block_table, seq_lens, scaling, m.kv_lora_rank, starts=starts, q_rope=q_pe)
+    return absorbed_decode(query, w_uk, w_uv, b_v, m, view.new_kv_c.dtype if fp8 else pages.dtype, attend)
+
+
+def joined(q_lat, q_pe):
+    """``[q_lat | q_pe]``, contiguous: the absorbed query as one tensor, for kernels that read it so."""
+    return torch.cat([q_lat, q_pe], dim=-1).contiguous()
 
 
 def absorbed_decode(query, w_uk, w_uv, b_v, m, q_dtype, attend):
-    """``query`` [B, H, T, nope+rope] → ``[B, T, H, v]``: the query absorbed into the latent (``[q_nope @ W_UK |
-    q_pe]`` in ``q_dtype``), ``attend(q_abs [B * T, H, rank + rope]) -> [B * T, H, rank]`` (a decode kernel over
-    the latent, wherever it is kept; row ``b * T + t`` is token ``t`` of sequence ``b``), then ``W_UV`` and the
-    value bias."""
+    """``query`` [B, H, T, nope+rope] → ``[B, T, H, v]``: the query absorbed into the latent (``q_nope @ W_UK``
+    and ``q_pe``, in ``q_dtype``), ``attend(q_lat [B * T, H, rank], q_pe [B * T, H, rope]) -> [B * T, H, rank]`` (a
+    decode kernel over the latent, wherever it is kept; row ``b * T + t`` is token ``t`` of sequence ``b``; ``q_lat``
+    is a strided view, :func:`joined` makes one tensor of both), then ``W_UV`` and the value bias."""
     nope = m.qk_nope_head_dim
     batch, _, tokens, _ = query.shape
     if tokens == 1:
@@ -90,10 +99,9 @@ def absorbed_decode(query, w_uk, w_uv, b_v, m, q_dtype, attend):
         q = query.transpose(1, 2).reshape(batch * tokens, query.shape[1], query.shape[3])
     q_nope, q_pe = q.narrow(-1, 0, nope), q.narrow(-1, nope, q.shape[-1] - nope)
     # [H, B, nope] x [H, nope, rank] -> [H, B, rank]
-    q_lat = torch.bmm(q_nope.transpose(0, 1), _as(w_uk, q_nope.dtype)).transpose(0, 1)
-    q_abs = _as(torch.cat([q_lat, q_pe], dim=-1), q_dtype).contiguous()
-    with on_device(q_abs):
-        out_lat = attend(q_abs)
+    q_lat = _as(torch.bmm(q_nope.transpose(0, 1), _as(w_uk, q_nope.dtype)).transpose(0, 1), q_dtype)
+    with on_device(q_lat):
+        out_lat = attend(q_lat, _as(q_pe, q_dtype))
     # [H, B, rank] x [H, rank, v] -> [H, B, v]
     out = torch.bmm(_as(out_lat.transpose(0, 1), w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
     if b_v is not None:

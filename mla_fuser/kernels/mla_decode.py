@@ -144,45 +144,16 @@ def mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim, starts=None
 
 @LazyJit
 def _mla_decode_stage1(
-    Q,
-    KV,
-    BT,
-    SEQ_LENS,
-    STARTS,
-    O_PART,
-    LSE,
-    OUT,
+    Q, QR,  # QR: the query's rope part (Q + V_DIM for a joined query, or a tensor of its own)
+    KV, BT, SEQ_LENS, STARTS, O_PART, LSE, OUT,
     qk_scale,  # scale * log2(e)
-    H,
-    V_DIM,
-    ROPE_DIM,
-    NUM_SPLITS,
-    stride_qb,
-    stride_qh,
-    stride_kvp,
-    stride_kvt,
-    stride_btb,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    stride_ob,
-    stride_oh,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    HAS_ROPE: tl.constexpr,
-    EVEN_V: tl.constexpr,
-    EVEN_R: tl.constexpr,
-    PER_ROW_PAGES: tl.constexpr,
-    DIRECT_OUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
-    SWAP_AB: tl.constexpr,
-    HAS_STARTS: tl.constexpr,
+    H, V_DIM, ROPE_DIM, NUM_SPLITS,
+    stride_qb, stride_qh, stride_qrb, stride_qrh, stride_kvp, stride_kvt, stride_btb,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr, HAS_ROPE: tl.constexpr, EVEN_V: tl.constexpr, EVEN_R: tl.constexpr,
+    PER_ROW_PAGES: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    SWAP_AB: tl.constexpr, HAS_STARTS: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -219,7 +190,8 @@ def _mla_decode_stage1(
     q_row = Q + b * stride_qb + offs_h[:, None] * stride_qh
     q_nope = tl.load(q_row + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0)
     if HAS_ROPE:
-        q_pe = tl.load(q_row + V_DIM + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+        q_pe = tl.load(QR + b * stride_qrb + offs_h[:, None] * stride_qrh + offs_r[None, :],
+                       mask=mask_h[:, None] & mask_r[None, :], other=0.0)
         if DOT_UPCAST:
             q_pe = q_pe.to(tl.float32)
     if DOT_UPCAST:
@@ -543,18 +515,24 @@ def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_spl
     return cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc
 
 
-def launch_plan(q, v_dim, page_size, max_pages, config, num_splits):
-    """:func:`_launch_plan` for the absorbed query ``q [B, H, D]`` (every latent decode launcher plans here)."""
+def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: int = 0):
+    """:func:`_launch_plan` for the absorbed query ``q [B, H, D]`` (every latent decode launcher plans here), or its
+    latent part when the rope part (``rope_apart`` wide) is a tensor of its own."""
     dev = None  # the device whose SM count sizes the split search (when it is not given)
     if num_splits is None and q.is_cuda:
         dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     B, H, D = q.shape
-    return _launch_plan(B, H, v_dim, D - v_dim, page_size, max_pages, q.dtype, config, num_splits, dev)
+    return _launch_plan(B, H, v_dim, D + rope_apart - v_dim, page_size, max_pages, q.dtype, config, num_splits, dev)
 
 
-def _check_inputs(q, kv_pages, block_table, seq_lens, v_dim):
-    """``(q.shape, kv_pages.shape)`` after checking the operands' shapes (each shape read once)."""
+def _check_inputs(q, kv_pages, block_table, seq_lens, v_dim, q_rope=None):
+    """``(q.shape, kv_pages.shape)`` after checking the operands' shapes (each shape read once); with ``q_rope``,
+    ``q`` is the latent part and the shape the joined query's."""
     qs, ks = q.shape, kv_pages.shape
+    if q_rope is not None:
+        if q_rope.shape[:2] != qs[:2] or q_rope.dim() != 3 or q_rope.dtype != q.dtype or qs[-1] != v_dim:
+            raise ValueError(f"q_rope {tuple(q_rope.shape)} does not go with a latent query {tuple(qs)}")
+        qs = torch.Size((*qs[:2], v_dim + q_rope.shape[2]))
     if len(qs) != 3 or len(ks) != 3:
         raise ValueError(f"q must be [B, H, D] and kv_pages [P, page_size, D]; got {tuple(qs)}, {tuple(ks)}")
     if qs[2] != ks[2]:
@@ -577,14 +555,18 @@ def mla_decode_triton(
     num_splits: int | None = None,
     config: MLADecodeConfig | None = None,
     starts: torch.Tensor | None = None,
+    q_rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`mla_decode` (no dispatch).  ``config`` overrides the tile knobs."""
-    (B, H, D), ks = _check_inputs(q, kv_pages, block_table, seq_lens, v_dim)
+    (B, H, D), ks = _check_inputs(q, kv_pages, block_table, seq_lens, v_dim, q_rope)
     page_size = ks[1]
     rope = D - v_dim
-
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if q_rope is None:
+        q_rope = q.narrow(-1, v_dim, rope)  # (a view: the joined query's rope columns)
+    elif q_rope.stride(-1) != 1:
+        q_rope = q_rope.contiguous()
     if kv_pages.stride(-1) != 1:  # rare (would copy the whole cache); rows must be unit-stride
         kv_pages = kv_pages.contiguous()
     if block_table.dtype != torch.int32:
@@ -605,18 +587,18 @@ def mla_decode_triton(
     max_pages = block_table.shape[1]
 
     cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc = launch_plan(
-        q, v_dim, page_size, max_pages, config, num_splits)
+        q, v_dim, page_size, max_pages, config, num_splits, D - q.shape[-1])
     direct = num_splits == 1
     o_part, lse, sp, sl = split_partials(out, num_splits, v_dim)
     dot_precision, dot_upcast = dot_mode(q.dtype)
     grid = (head_tiles, num_splits, B)
-    q_st, kv_st, out_st = q.stride(), kv_pages.stride(), out.stride()  # (one call each: per eager call)
+    q_st, qr_st, kv_st, out_st = q.stride(), q_rope.stride(), kv_pages.stride(), out.stride()  # (one call each)
     k1 = _mla_decode_stage1[grid](
-        q, kv_pages, block_table, seq_lens,
+        q, q_rope, kv_pages, block_table, seq_lens,
         starts if starts is not None else seq_lens,  # unused pointer without starts
         o_part, lse, out,
         float(scale) * _LOG2E, H, v_dim, rope, num_splits,
-        q_st[0], q_st[1], kv_st[0], kv_st[1], block_table.stride(0),
+        q_st[0], q_st[1], qr_st[0], qr_st[1], kv_st[0], kv_st[1], block_table.stride(0),
         *sp, *sl, out_st[0], out_st[1],
         PAGE_SIZE=page_size,
         BLOCK_H=block_h,
@@ -656,20 +638,25 @@ def _mla_decode_op(
     v_dim: int,
     num_splits: int | None = None,
     starts: torch.Tensor | None = None,
+    q_rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(q):
-        return mla_decode_triton(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits, starts=starts)
+        return mla_decode_triton(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits, starts=starts,
+                                 q_rope=q_rope)
+    if q_rope is not None:
+        q = torch.cat([q, q_rope], dim=-1)
     if q.is_cpu:  # host reads are free there: each sequence's exact rows (paged_cpu)
         return mla_decode_cpu(q, kv_pages, block_table, seq_lens, scale, v_dim, starts)
     return mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim, starts)
 
 
 @_mla_decode_op.register_fake
-def _mla_decode_fake(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None, starts=None):
+def _mla_decode_fake(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None, starts=None, q_rope=None):
     return q.new_empty((q.shape[0], q.shape[1], v_dim))
 
 
-def mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None, starts=None) -> torch.Tensor:
+def mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None, starts=None,
+               q_rope=None) -> torch.Tensor:
     """Absorbed MLA decode attention over a paged latent cache.
 
     Args:
@@ -682,6 +669,8 @@ def mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None
         v_dim: value width (= kv_lora_rank), the first ``v_dim`` columns of each latent row.
         num_splits: KV splits per sequence (None: chosen from shapes and the SM count).
         starts: int32 ``[B]`` or None: sequence ``b`` attends only to tokens ``>= starts[b]`` (left padding).
+        q_rope: ``[B, H, rope]`` or None: the query's rope part apart (``q`` then holds ``q_nope @ W_UK`` only,
+            any strides): the kernel reads both, so no joined copy is made (one launch fewer per layer).
 
     Returns ``[B, H, v_dim]`` in q's dtype.  Backend choice: ``dispatch.use_triton(q)``; the torch backend runs
     ``paged_cpu.mla_decode_cpu`` on CPU tensors, the reference elsewhere.  Under
@@ -689,4 +678,4 @@ def mla_decode(q, kv_pages, block_table, seq_lens, scale, v_dim, num_splits=None
     ``mla_fuser::mla_decode`` custom op, so the compiled graph holds one opaque node; in eager mode
     the op's implementation is called directly to save the dispatcher's host overhead (``dispatch.KernelOp``).
     """
-    return _mla_decode_op(q, kv_pages, block_table, seq_lens, float(scale), int(v_dim), num_splits, starts)
+    return _mla_decode_op(q, kv_pages, block_table, seq_lens, float(scale), int(v_dim), num_splits, starts, q_rope)
