@@ -30,6 +30,19 @@ def tiny_deepseek(arch="deepseek_v2", attn="sdpa", seed=0, layers=2, **overrides
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
 
 
+def assert_generates_like_native(native, fused, ids, new_tokens):
+    """Greedy ``generate`` of ``fused`` gives ``native``'s tokens, every step's logits within 1e-4 of their largest
+    magnitude (fp32 models)."""
+    import torch
+
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want, got = native.generate(ids, **kw), fused.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-4
+
+
 def close_to_reference(out, ref, dtype):
     """A kernel's output against its reference: same dtype and shape, max error within 1e-5 (fp32) or 2e-2 (half
     types) of the reference's largest magnitude."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mla_fuser
-from conftest import tiny_deepseek
+from conftest import assert_generates_like_native, tiny_deepseek
 from mla_fuser.kernels.rotary import RECIPES, rotary_ref, rotary_triton, table_width
 from mla_fuser.rotary_call import ROTARY_ATTR, RotaryCall, _agrees, recipe_tables
 
@@ -173,12 +173,7 @@ def test_fused_models_rotate_on_the_kernel_and_equal_native(interpreted, monkeyp
     fused = tiny_deepseek(arch=arch, attn="vllm_mla", layers=2, **extra)
     mla_fuser.fuse(fused)
     ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want = native.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
-        got = fused.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    assert torch.equal(got.sequences, want.sequences)
-    for a, b in zip(got.logits, want.logits):
-        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-4
+    assert_generates_like_native(native, fused, ids, 5)
     recipe = "pairs_fp32" if arch == "deepseek_v2" else ("pairs_to_halves" if interleave else "halves")
     verdicts = getattr(fused.model.layers[0].self_attn, ROTARY_ATTR).verdicts
     assert list(verdicts.values()) == [recipe]

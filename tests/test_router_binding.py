@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mla_fuser
-from conftest import tiny_deepseek
+from conftest import assert_generates_like_native, tiny_deepseek
 from mla_fuser.fusers.moe import router_binding as rb
 from mla_fuser.kernels import moe_router
 from mla_fuser.kernels.moe_router import RouteParams, select_experts_ref, select_experts_triton
@@ -65,12 +65,7 @@ def test_router_runs_on_the_kernel_and_tokens_equal_native(interpreted, monkeypa
     report = mla_fuser.fuse(fused)
     assert all("router child 'gate'" in r.reason for r in report.rows if r.fuser == "moe")
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = native.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
-        got = fused.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    assert torch.equal(got.sequences, want.sequences)
-    for a, b in zip(got.logits, want.logits):
-        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-4
+    assert_generates_like_native(native, fused, ids, 6)
     assert list(plan_of(_gate(fused), "router").verdicts.values()) == [True]
     assert len(calls) >= 2 * 6  # two MoE layers, every step after the first check
 
