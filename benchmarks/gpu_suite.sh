@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh                 # every step; results under $OUT (or benchmarks/results/gpu_suite/)
 #   bash benchmarks/gpu_suite.sh tests graph     # only the named steps
 # Steps: tests kernel moe moe_layer ssm model graph generate profile host mamba, and (not in the default set: run
-# them by name) serving modes fp8 fp8_sweeps host_generate fp8_experts fp8_tests.  Each has its own time limit so
+# them by name) serving modes fp8 fp8_sweeps host_generate fp8_experts fp8_tests step_kernels splits.  Each has its own time limit so
 # one slow step cannot eat the others.
 set -u
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -53,6 +53,10 @@ want fp8_sweeps && step 240 python3 benchmarks/bench_mla_decode_kernel.py --fp8-
            --no-eager --heads 16,128 --shapes 64x8192,1x32768 --sweep-shapes 64x8192 --out "$out/mla_decode_fp8_sweep.json"
 want host_generate && step 90 python3 benchmarks/profile_host.py --generate --shape 1x512 --out "$out/profile_host_generate.txt"
 want fp8_experts && step 120 python3 benchmarks/bench_fp8_gemm.py --experts --out "$out/fp8_experts.json"
+want step_kernels && step 120 python3 benchmarks/profile_decode_step.py --shapes 1x512,1x32768,16x4096 \
+           --out "$out/profile_decode_step.json"
+want splits && step 200 python3 benchmarks/bench_mla_decode_kernel.py --heads 16,128 --sweep-splits --no-eager --no-check \
+           --shapes 1x512,1x2048,1x8192,1x32768,4x1024,16x1024,16x4096,64x8192 --out "$out/mla_decode_splits.json"
 want fp8_tests && step 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_experts.py \
            tests/test_fp8_cache.py
 ls -la "$out"
