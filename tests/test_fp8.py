@@ -305,6 +305,9 @@ def test_fused_fp8_model_equals_dequantised_reference(arch, block, overrides, st
     assert all(r.status == "fused" for r in fp8_rows)
     mla_rows = report.fused("mla")
     assert len(mla_rows) == 2 and all("block-FP8 kv_b_proj" in r.reason for r in mla_rows)
+    # the dense MLP and the shared experts: block-FP8 gate and up stacked (their rows are whole blocks here)
+    mlp_rows = report.fused("mlp")
+    assert len(mlp_rows) == 2 and all("gate and up stacked into one GEMM" in r.reason for r in mlp_rows)
     attn = model.model.layers[0].self_attn
     if stacked is True:
         down = attn.__dict__[STACKED_ATTR]
