@@ -46,12 +46,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import graph as g
 from ..fx_ops import describe, op_name
-from ..kernels.act_mul import act_mul, act_mul_ref
+from ..kernels.act_mul import TORCH_ACTIVATIONS, act_mul, act_mul_ref
 from ..kernels.dispatch import launches_are_free, use_triton
 from ..plans import clear_plan, plan_of, set_plan
 from ..rewrite import StackedLinear
@@ -59,12 +58,6 @@ from .base import (Fuser, FusionRow, NoMatch, bind_instance_forward, common_inpu
                    unbind_instance_forward)
 from .moe.mlp import fingerprint, mlp_spec
 
-_REFERENCES = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": torch.relu,
-}
 # Below this many rows an eager CUDA call computes ``act(gate) * up`` with torch's two ops: a Triton launch costs
 # more host time than the two small launches it replaces (as for the norm kernel, ``fusers.norm``).  Captured,
 # warm-up and compiled calls, where launches are free, and many rows always take the kernel.  The stacked GEMM
@@ -250,7 +243,7 @@ def _check_rounding(act_fn: Callable, activation: str) -> None:
     """The activation's 16-bit results are bitwise those of the torch op the kernel computes (same fp32 math,
     one rounding): an activation spelled out in 16-bit steps rounds at each of them."""
     probe = torch.cat([torch.linspace(-12.0, 12.0, 4801), torch.tensor([-80.0, -30.0, 30.0, 80.0, 0.0])])
-    reference = _REFERENCES[activation]
+    reference = TORCH_ACTIVATIONS[activation]
     for dtype in (torch.bfloat16, torch.float16):
         x = probe.to(dtype)
         try:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from .dispatch import LazyJit, cdiv, kernel_op, next_pow2, tl, use_triton
 
-__all__ = ["ACTIVATIONS", "KERNEL_DTYPES", "act_mul", "act_mul_ref", "act_mul_triton"]
+__all__ = ["ACTIVATIONS", "KERNEL_DTYPES", "TORCH_ACTIVATIONS", "act_mul", "act_mul_ref", "act_mul_triton"]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # kernel code per activation name (the names of ``fusers.moe.mlp.activation_name``)
@@ -42,16 +42,21 @@ ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 MAX_BLOCK = 1024  # columns per program: wide rows take several programs (a decode step has one row)
 
 
+# the torch op of each activation name: what the kernel computes, and what a module's activation is compared with to
+# be named (``fusers.moe.mlp.activation_name``) or vouched for (``fusers.gated_mlp``)
+TORCH_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": torch.relu,
+}
+
+
 def _activation(x: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "silu":
-        return F.silu(x)
-    if activation == "gelu":
-        return F.gelu(x)
-    if activation == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    if activation == "relu":
-        return torch.relu(x)
-    raise ValueError(f"unknown activation {activation!r}: expected one of {sorted(ACTIVATIONS)}")
+    fn = TORCH_ACTIVATIONS.get(activation)
+    if fn is None:
+        raise ValueError(f"unknown activation {activation!r}: expected one of {sorted(ACTIVATIONS)}")
+    return fn(x)
 
 
 def act_mul_ref(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:

@@ -15,15 +15,10 @@ from torch import nn
 
 from ... import graph as g
 from ...fx_ops import VIEW_METHODS, describe, op_name
+from ...kernels.act_mul import TORCH_ACTIVATIONS
 from ..base import Fuser, NoMatch, shape_key
 from .specs import MLPSpec
 
-_ACT_REFERENCES = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": torch.relu,
-}
 
 
 def activation_name(fn) -> str | None:
@@ -36,7 +31,7 @@ def activation_name(fn) -> str | None:
         return None
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         return None
-    for name, ref in _ACT_REFERENCES.items():
+    for name, ref in TORCH_ACTIVATIONS.items():
         if torch.allclose(y.float(), ref(x), atol=1e-5, rtol=1e-5):
             return name
     return None
