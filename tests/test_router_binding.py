@@ -78,12 +78,12 @@ def test_check_refuses_outputs_that_are_not_logits_weights_ids(interpreted):
     x = torch.randn(5, fused.config.hidden_size, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits, weights, ids = plan.original(x)
-        assert plan.check(gate, x, (logits, weights, ids)) is not None
-        assert plan.check(gate, x, (ids, weights, logits)) is None  # another order
-        assert plan.check(gate, x, (logits, weights * 2, ids)) is None  # another scale
-        assert plan.check(gate, x, (logits + 1e-3, weights, ids)) is None  # other logits
-        assert plan.check(gate, x, (logits, weights)) is None
-        assert plan.check(gate, x, logits) is None
+        assert plan.check(plan.tensors(gate), x, (logits, weights, ids)) is not None
+        assert plan.check(plan.tensors(gate), x, (ids, weights, logits)) is None  # another order
+        assert plan.check(plan.tensors(gate), x, (logits, weights * 2, ids)) is None  # another scale
+        assert plan.check(plan.tensors(gate), x, (logits + 1e-3, weights, ids)) is None  # other logits
+        assert plan.check(plan.tensors(gate), x, (logits, weights)) is None
+        assert plan.check(plan.tensors(gate), x, logits) is None
 
 
 def test_checking_call_answers_as_later_calls_do(interpreted):

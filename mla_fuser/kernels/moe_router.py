@@ -34,7 +34,8 @@ import torch
 
 from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, next_pow2, tl, use_triton
 
-__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "RouteParams", "select_experts", "select_experts_ref", "select_experts_triton"]
+__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "RouteParams", "scores_and_choice", "select_experts", "select_experts_ref",
+           "select_experts_triton"]
 
 MAX_EXPERTS = 256  # the scores of one row stay in registers
 MAX_TOP_K = 16
@@ -81,12 +82,18 @@ _WEIGHTS_FROM = {"values": 0, "scores": 1, "choice": 2}
 _POST_OPS = {"scale": 1, "div": 2}
 
 
+def scores_and_choice(logits: torch.Tensor, correction_bias: Optional[torch.Tensor], p: RouteParams):
+    """``(scores, choice)`` in fp32: the softmax or sigmoid of the logits, and those plus the correction bias (what
+    the experts are chosen on; the scores themselves when there is no bias)."""
+    logits = logits.float()
+    scores = torch.softmax(logits, dim=-1) if p.scoring == "softmax" else torch.sigmoid(logits)
+    return scores, scores if correction_bias is None else scores + correction_bias.float()
+
+
 def select_experts_ref(logits: torch.Tensor, correction_bias: Optional[torch.Tensor], p: RouteParams):
     """Torch twin of the kernel: the module docstring's math in torch ops on ``logits [T, E]``; returns ``(weights
     [T, k] out_dtype, ids [T, k] int64)``, ids by decreasing choice (``torch.topk``'s order for ties)."""
-    logits = logits.float()
-    scores = torch.softmax(logits, dim=-1) if p.scoring == "softmax" else torch.sigmoid(logits)
-    choice = scores if correction_bias is None else scores + correction_bias.float()
+    scores, choice = scores_and_choice(logits, correction_bias, p)
     selected = choice
     if p.n_group:
         grouped = choice.view(choice.shape[0], p.n_group, -1)

@@ -28,7 +28,8 @@ from torch import nn
 
 from ...fx_ops import attr_of
 from ...kernels.dispatch import use_triton
-from ...kernels.moe_router import INPUT_DTYPES, MAX_POST, RouteParams, select_experts, select_experts_ref
+from ...kernels.moe_router import (INPUT_DTYPES, MAX_POST, RouteParams, scores_and_choice, select_experts,
+                                   select_experts_ref)
 from ...plans import plan_of, set_plan
 from ..base import bind_instance_forward
 from .specs import MoEMatch, RouterSpec
@@ -85,9 +86,10 @@ class _RouterPlan:
         return (attr_of(child, self.weight), attr_of(child, self.bias) if self.bias else None,
                 attr_of(child, self.correction) if self.correction else None)
 
-    def logits(self, child, x):
-        """The router logits as the traced ops make them (the spec's casts, ``F.linear``)."""
-        weight, bias, _ = self.tensors(child)
+    def logits(self, tensors, x):
+        """The router logits as the traced ops make them (the spec's casts, ``F.linear``); ``tensors`` are
+        :meth:`tensors`' (read once per call)."""
+        weight, bias, _ = tensors
         for dtype in self.spec.input_dtypes:
             x = x.to(dtype)
         for dtype in self.spec.weight_dtypes:
@@ -97,30 +99,28 @@ class _RouterPlan:
             logits = logits.to(dtype)
         return logits
 
-    def usable(self, child, x) -> bool:
-        if type(x) is not torch.Tensor or not use_triton(x) or torch.compiler.is_compiling():
-            return False  # (first: on CPU, where this ends every call, the rest is not looked at)
-        weight, bias, correction = self.tensors(child)
+    def usable(self, tensors, x) -> bool:
+        weight, _, correction = tensors
         return (x.dim() >= 2 and x.shape[-1] == weight.shape[-1] and x.device == weight.device
                 and self.params.fits(weight.shape[0])
                 and (correction is None or correction.dtype in INPUT_DTYPES)
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
-    def kind(self, child, x):
-        weight = attr_of(child, self.weight)
-        return x.dtype, weight.dtype, x.device.type
+    @staticmethod
+    def kind(tensors, x):
+        return x.dtype, tensors[0].dtype, x.device.type
 
-    def check(self, child, x, out):
+    def check(self, tensors, x, out):
         """The kernel path's result on ``x`` when ``out`` (the original's) agrees with it (module docstring), else
         None."""
         if not (isinstance(out, tuple) and len(out) == 3 and all(type(t) is torch.Tensor for t in out)):
             return None
         logits_o, weights_o, ids_o = out
         flat = x.reshape(-1, x.shape[-1])
-        logits = self.logits(child, flat)
+        logits = self.logits(tensors, flat)
         if logits_o.shape != logits.shape or not torch.equal(logits_o, logits):
             return None
-        _, _, correction = self.tensors(child)
+        correction = tensors[2]
         twin = select_experts_ref(logits, correction, self.params)
         kernel = select_experts(logits, correction, self.params)
         k = self.params.top_k
@@ -152,36 +152,38 @@ def _same_sets(got, want, excused) -> bool:
 
 
 def _near_ties(logits, correction, params: RouteParams):
-    """Rows whose k-th and (k+1)-th choices (the twin's, group fill applied) are within ``TIE_GAP``."""
+    """Rows whose k-th and (k+1)-th choices (the twin's, before any group limit) are within ``TIE_GAP``."""
     k = params.top_k
     if k >= logits.shape[-1]:
         return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    scores = torch.softmax(logits.float(), -1) if params.scoring == "softmax" else torch.sigmoid(logits.float())
-    choice = scores if correction is None else scores + correction.float()
+    _, choice = scores_and_choice(logits, correction, params)
     top = choice.topk(k + 1, dim=-1).values
     return (top[:, k - 1] - top[:, k]).abs() <= TIE_GAP * top[:, k - 1].abs().clamp(min=1e-30)
 
 
 def _fused_router_forward(self: nn.Module, hidden_states, *args, **kwargs):
     plan = plan_of(self, "router")
-    if args or kwargs or not plan.usable(self, hidden_states):
+    if (args or kwargs or type(hidden_states) is not torch.Tensor or not use_triton(hidden_states)
+            or torch.compiler.is_compiling()):  # (first: on CPU, where this ends every call, nothing else is read)
         return plan.original(hidden_states, *args, **kwargs)
-    kind = plan.kind(self, hidden_states)
+    tensors = plan.tensors(self)  # (the router's tensors, read once for this call)
+    if not plan.usable(tensors, hidden_states):
+        return plan.original(hidden_states)
+    kind = plan.kind(tensors, hidden_states)
     verdict = plan.verdicts.get(kind)
     if verdict is None:
         if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
             return plan.original(hidden_states)  # the check reads results back: not inside a capture
         out = plan.original(hidden_states)
-        ours = plan.check(self, hidden_states, out)
+        ours = plan.check(tensors, hidden_states, out)
         plan.verdicts[kind] = ours is not None
         # the checking call returns what every later call of its kind will (the kernel's routing once adopted:
         # a first call routed by torch and later ones by the kernel could order or round differently)
         return out if ours is None else ours
     if not verdict:
         return plan.original(hidden_states)
-    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-    logits = plan.logits(self, flat)
-    weights, ids = select_experts(logits, plan.tensors(self)[2], plan.params)
+    logits = plan.logits(tensors, hidden_states.reshape(-1, hidden_states.shape[-1]))
+    weights, ids = select_experts(logits, tensors[2], plan.params)
     return logits, weights, ids
 
 
