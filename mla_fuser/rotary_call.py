@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .kernels.dispatch import use_triton
-from .kernels.rotary import RECIPES, rotary, rotary_ref, table_width
+from .kernels.rotary import RECIPES, rotary, rotary_problem, rotary_ref, table_width
 
 ROTARY_ATTR = "_mla_fuser_rotary"
 
@@ -63,15 +63,6 @@ def _agrees(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor) -> bool:
     return bool((diff <= eps * (want.float().abs() + 2 * scale) + torch.finfo(want.dtype).tiny).all())
 
 
-def _shapes_fit(q, k, cos, sin, recipe) -> bool:
-    if q.dim() != 4 or k.dim() != 4 or q.dtype != k.dtype or q.shape[-1] % 2:
-        return False
-    batch, _, tokens, rope = q.shape
-    want = (tokens, table_width(recipe, rope))
-    return (k.shape[0] == batch and tuple(k.shape[2:]) == (tokens, rope)
-            and all(t.shape[0] in (1, batch) and tuple(t.shape[1:]) == want for t in (cos, sin)))
-
-
 class RotaryCall:
     """``self._mla_fuser_rotary`` of one rewritten module: ``(f, q, k, *tables) -> f(q, k, *tables)``'s result,
     on the kernel for kinds of call whose recipe is known (module docstring).  ``verdicts``: kind -> recipe or
@@ -103,7 +94,7 @@ class RotaryCall:
         if recipe is None:
             return fn(q, k, *tables)
         cos, sin = recipe_tables(recipe, q, tables)
-        if not _shapes_fit(q, k, cos, sin, recipe):
+        if rotary_problem(q, k, cos, sin, recipe) is not None:
             return fn(q, k, *tables)
         return rotary(q, k, cos, sin, recipe)
 
@@ -115,7 +106,7 @@ class RotaryCall:
             return None, None
         for recipe in RECIPES:
             found = recipe_tables(recipe, q, tables)
-            if found is None or not _shapes_fit(q, k, *found, recipe):
+            if found is None or rotary_problem(q, k, *found, recipe) is not None:
                 continue
             twin = rotary_ref(q, k, *found, recipe)
             if not all(_agrees(t, e, x) for t, e, x in zip(twin, expected, (q, k))):

@@ -263,10 +263,10 @@ def _append_tiles(v_dim: int, rope: int) -> tuple[int, int, int]:
 @kernel_op("paged_append", mutates_args=("kv_pages", "seq_lens"))
 def _paged_append_op(kv_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      kv_c: torch.Tensor, k_pe: torch.Tensor, advance: bool) -> None:
-    if use_triton(kv_pages) and not is_fp8(kv_pages):
-        paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe, advance)
-        return
     if use_triton(kv_pages):
+        if not is_fp8(kv_pages):
+            paged_append_triton(kv_pages, block_table, seq_lens, kv_c, k_pe, advance)  # (advances itself)
+            return
         paged_append_fp8_triton(kv_pages, block_table, seq_lens, kv_c, k_pe)
     elif kv_pages.is_cpu:  # host reads are free there: slots as ints, a copy per page (paged_cpu)
         paged_append_cpu(kv_pages, block_table, seq_lens, kv_c, k_pe)

@@ -42,7 +42,7 @@ import torch
 
 from .dispatch import LazyJit, cdiv, next_pow2, tl, use_triton
 
-__all__ = ["RECIPES", "rotary", "rotary_ref", "rotary_triton", "table_width"]
+__all__ = ["RECIPES", "rotary", "rotary_problem", "rotary_ref", "rotary_triton", "table_width"]
 
 RECIPES = ("pairs_fp32", "pairs_to_halves", "halves")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -133,18 +133,27 @@ def _rotary_kernel(Q, K, QO, KO, C, S, n_q, n_rows, Hq, Hk, T,
     tl.store(KO + qb, ob, mask=mask & k_rows)
 
 
-def _check(q, k, cos, sin, recipe):
+def rotary_problem(q, k, cos, sin, recipe) -> str | None:
+    """Why :func:`rotary` cannot take these operands, or None (``rotary_call`` asks before a call, the launchers
+    raise it)."""
     if recipe not in RECIPES:
-        raise ValueError(f"unknown rotary recipe {recipe!r}; one of {RECIPES}")
+        return f"unknown rotary recipe {recipe!r}; one of {RECIPES}"
     if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be [B, H, T, R]; got {tuple(q.shape)} and {tuple(k.shape)}")
+        return f"q and k must be [B, H, T, R]; got {tuple(q.shape)} and {tuple(k.shape)}"
     B, _, T, R = q.shape
     if k.shape[0] != B or k.shape[2] != T or k.shape[3] != R or R % 2 or q.dtype != k.dtype:
-        raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} do not pair up")
+        return f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} do not pair up"
     want = table_width(recipe, R)
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dim() != 3 or t.shape[0] not in (1, B) or t.shape[1] != T or t.shape[2] != want:
-            raise ValueError(f"{name} must be [1 or {B}, {T}, {want}] for {recipe}; got {tuple(t.shape)}")
+            return f"{name} must be [1 or {B}, {T}, {want}] for {recipe}; got {tuple(t.shape)}"
+    return None
+
+
+def _check(q, k, cos, sin, recipe):
+    problem = rotary_problem(q, k, cos, sin, recipe)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, recipe: str):
