@@ -43,19 +43,11 @@ def _mla_candidate(module: nn.Module) -> bool:
     return any(rmsnorm_width(c) for c in children if not is_linear(c, adapters=True))
 
 
-# The sibling fuser families: each has ``name``, ``is_candidate(module)``, ``explain(module, example_inputs) ->
-# (match | None, reason)`` and ``apply(module, match, qualname) -> FusionRow``; one that also judges a module by
-# where it sits has ``candidate_names(model)`` (the gated-MLP fuser leaves a ModuleList's experts to the MoE fuser).
-# Order matters: each family's blocks are matched and applied before the next family's, so the MoE fuser reads its
-# shared experts before the gated-MLP fuser binds their instance forwards.
+# The sibling fuser families (``fusers.base.Fuser``): each has ``name``, ``candidate_names(model)`` (by default the
+# modules ``is_candidate`` accepts), ``explain(module, example_inputs) -> (match | None, reason)`` and ``apply(module,
+# match, qualname) -> FusionRow``.  Order matters: each family's blocks are matched and applied before the next
+# family's, so the MoE fuser reads its shared experts before the gated-MLP fuser binds their instance forwards.
 BLOCK_FUSERS = (MoEFuser, MambaFuser, NormFuser, GatedMLPFuser)
-
-
-def _candidate_names(model: nn.Module, fuser) -> list[str]:
-    pick = getattr(fuser, "candidate_names", None)
-    if pick is not None:
-        return pick(model)
-    return [n for n, m in model.named_modules() if n and fuser.is_candidate(m)]
 
 
 class _Capture(dict):
@@ -160,7 +152,7 @@ def _fuse(model: nn.Module) -> FusionReport:
     # calls them; Transformers' own FP8Linear forward needs a Hub download)
     report.rows.extend(fuse_fp8_linears(model))
     block_fusers = BLOCK_FUSERS
-    block_names = {f: _candidate_names(model, f) for f in block_fusers}
+    block_names = {f: f.candidate_names(model) for f in block_fusers}
     disabled_by_version = compat.disabled_features()
     report.notes.extend(why for f, names in block_names.items() if names
                         for feature, why in disabled_by_version.items() if f.name == feature)

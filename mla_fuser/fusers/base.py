@@ -117,6 +117,12 @@ class Fuser:
             return cache[key]
 
     @classmethod
+    def candidate_names(cls, model: nn.Module) -> list[str]:
+        """The qualified names of ``model``'s submodules worth matching (``is_candidate``); a family that also
+        judges a module by where it sits narrows this (the gated-MLP fuser leaves a ModuleList's experts out)."""
+        return [n for n, m in model.named_modules() if n and cls.is_candidate(m)]
+
+    @classmethod
     def cache_key(cls, module: nn.Module, example_inputs=None) -> tuple:
         """What decides a match: class and parameter shapes (and input layout); families whose structure also
         depends on plain attributes extend it."""
