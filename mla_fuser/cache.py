@@ -37,6 +37,7 @@ import math
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
+from .cache_reorder import reorder_in_place
 from .kernels.dispatch import on_device, use_triton
 from .kernels.latent_fp8 import FP8_DTYPE, dequantise_rows, is_fp8, packed_width, raw
 from .kernels.paged_cpu import append_rows
@@ -155,7 +156,7 @@ class PagedLatentLayer(CacheLayerMixin):
         self.seq_lens: torch.Tensor | None = None  # int32 [B]
         self.rank = None
         # a static cache's own pages per sequence (its first reservation): what each sequence writes to, and what
-        # the cache owns, while block-table rows may share other sequences' written pages (see _reorder_in_place)
+        # the cache owns, while block-table rows may share other sequences' written pages (see cache_reorder)
         self.home: list[list[int]] | None = None
         self._home_device: torch.Tensor | None = None
 
@@ -451,40 +452,12 @@ class PagedLatentLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor, source: list[int] | None = None) -> None:
         """Sequence i continues old sequence ``beam_idx[i]`` (``source``: the same as host ints, when the caller has
         them).  A static cache whose sequences all hold the same number of tokens (beam search) does it in place
-        (:meth:`_reorder_in_place`); anything else copies the sequences."""
+        (``cache_reorder``); anything else copies the sequences."""
         if self.get_seq_length() == 0:
             return
         source = beam_idx.tolist() if source is None else source
-        if not self._reorder_in_place(beam_idx, source):
+        if not reorder_in_place([self], beam_idx, source):
             self._copy_sequences(source)
-
-    def _reorder_in_place(self, beam_idx: torch.Tensor, source: list[int]) -> bool:
-        """Beam reorder of a static cache in place, so that a captured step stays valid (nothing is allocated, no
-        address changes).  With ``n`` tokens per sequence and ``full = n // page_size`` pages written whole, new
-        sequence ``i`` takes old ``source[i]``'s first ``full`` block-table entries (written pages, shared and never
-        written again), gets old ``source[i]``'s partly written page copied into its own page ``full``, and keeps
-        its own pages from there on for what it writes next.  So column ``j`` of the block table only ever names
-        some sequence's own page ``j``: no sequence's next write lands in a page another one reads.  False (nothing
-        done) when that does not apply: not static, another batch size, unequal lengths."""
-        lens, home, tables = self.host_lens, self.home, self.host_tables
-        if home is None or len(source) != len(lens) or any(n != lens[0] for n in lens):
-            return False
-        full, partial = divmod(lens[0], self.pool.page_size)
-        if any(t[full:] != h[full:] for t, h in zip(tables, home)):
-            return False  # (cannot happen while every change goes through this class; checked, as it is cheap)
-        index = beam_idx.to(device=self.device, dtype=torch.long)
-        rows = self.block_table.index_select(0, index)  # old rows, new order
-        if partial:  # the partly written page: old source[i]'s page `full` into i's own page `full`
-            if self._home_device is None:  # [pages, B]: a column of home is a contiguous row here
-                self._home_device = torch.tensor(home, dtype=torch.long).t().contiguous().to(self.device)
-            pages = raw(self.pool.pages)
-            pages.index_copy_(0, self._home_device[full], pages.index_select(0, rows[:, full].long()))
-        if full:
-            self.block_table[:, :full] = rows[:, :full]
-        if self.starts is not None:
-            self.starts.copy_(self.starts.index_select(0, index))
-        self.host_tables = [tables[s][:full] + home[i][full:] for i, s in enumerate(source)]
-        return True
 
     def _own_pages_from(self, column: int, lens: list[int]) -> None:
         """Every sequence's block-table entries from ``column`` on name its own pages again (those that named
@@ -624,15 +597,21 @@ class PagedLatentCache(DynamicCache):
         self.set_left_padding(starts)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam reorder of every layer; the indices are read on the host once for all paged layers."""
-        source = None
+        """Beam reorder of every layer; the indices are read on the host once, and a static cache's paged layers
+        are reordered in place all at once (``cache_reorder``)."""
+        paged = []
         for layer in self.layers:
             if isinstance(layer, PagedLatentLayer):
-                if source is None:
-                    source = beam_idx.tolist()
-                layer.reorder_cache(beam_idx, source)
+                if layer.get_seq_length():
+                    paged.append(layer)
             else:
                 layer.reorder_cache(beam_idx)
+        if not paged:
+            return
+        source = beam_idx.tolist()
+        if not reorder_in_place(paged, beam_idx, source):
+            for layer in paged:
+                layer.reorder_cache(beam_idx, source)
 
     @property
     def paged(self) -> list[PagedLatentLayer]:

@@ -397,3 +397,65 @@ def test_eager_decode_turns_the_graphs_off_for_its_block_only(pair, monkeypatch)
     graphed = fused.generate(ids, **kw)
     assert last_generate_plan(fused).graphed
     assert torch.equal(eager, graphed)
+
+
+def _reorder_ops(cache, beam_idx):
+    """The aten ops one ``reorder_cache`` runs (views excluded), by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func._schema.name.startswith(("aten::view", "aten::slice", "aten::select", "aten::unbind",
+                                                  "aten::t", "aten::transpose", "aten::alias")):
+                ops.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        cache.reorder_cache(beam_idx)
+    return ops
+
+
+@pytest.mark.parametrize("layers", [2, 6])
+def test_a_reorder_does_the_host_work_once_for_all_layers(layers):
+    """A static cache's beam reorder costs two ops per paged layer (the partly written page) and a handful for all
+    layers together (block tables and left-padding starts by multi-tensor copies), not six per layer; the result is
+    exactly each layer's sequences in the new order."""
+    fused = tiny_deepseek(attn="vllm_mla", layers=layers, first_k_dense_replace=0)
+    mla_fuser.fuse(fused)
+    ids, mask = left_padded_prompts([6, 5, 6, 3], seed=3)  # 6 tokens: one whole page of 4 and a partial one
+    cache = PagedLatentCache(fused, page_size=4, static=True, max_seq_len=16, max_cache_tokens=4 * 16)
+    cache.set_left_padding(6 - mask.sum(1))
+    with torch.no_grad():
+        fused(input_ids=ids, attention_mask=mask, **{KW: cache}, use_cache=True)
+    paged = cache.paged
+    assert len(paged) == layers
+    before = [layer.gather().clone() for layer in paged]
+    starts = [layer.starts.clone() for layer in paged]
+    beam_idx = torch.tensor([3, 3, 0, 1])
+    ops = _reorder_ops(cache, beam_idx)
+    assert len(ops) <= 2 * layers + 10, ops  # (the first reorder also uploads the own-page columns: 3 ops)
+    for layer, rows, start in zip(paged, before, starts):
+        assert torch.equal(layer.gather(), rows[beam_idx])
+        assert torch.equal(layer.starts, start[beam_idx])
+        assert layer.host_tables == paged[0].host_tables
+    assert all(a is not b for layer in paged[1:] for a, b in zip(layer.host_tables, paged[0].host_tables))
+
+
+def test_layers_whose_tables_differ_are_reordered_one_by_one():
+    """If the paged layers of a cache ever disagree (tables, lengths), the all-layers path declines and each layer is
+    reordered alone, still exactly."""
+    fused = tiny_deepseek(attn="vllm_mla", layers=2, first_k_dense_replace=0)
+    mla_fuser.fuse(fused)
+    ids, _ = left_padded_prompts([6, 6], seed=4)
+    cache = PagedLatentCache(fused, page_size=4, static=True, max_seq_len=16, max_cache_tokens=4 * 16)
+    with torch.no_grad():
+        fused(input_ids=ids, **{KW: cache}, use_cache=True)
+    first, second = cache.paged
+    second.reorder_cache(torch.tensor([1, 0]))  # only the second layer: their tables now differ
+    assert first.host_tables != second.host_tables
+    before = [layer.gather().clone() for layer in (first, second)]
+    cache.reorder_cache(torch.tensor([0, 0]))
+    for layer, rows in zip((first, second), before):
+        assert torch.equal(layer.gather(), rows[torch.tensor([0, 0])])

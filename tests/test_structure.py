@@ -15,7 +15,7 @@ LAYERS = [
     ("kernels",),
     ("graph",),
     ("rewrite", "rotary_call"),
-    ("cache",),
+    ("cache", "cache_reorder"),
     ("attention_interfaces",),
     ("fusers",),
     ("runtime",),
