@@ -342,6 +342,52 @@ def test_split_row_kernel_equals_its_reference(monkeypatch, rope):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rope", [8, 0])
+@pytest.mark.parametrize("group", [2, 4])
+def test_grouped_split_row_kernel_equals_its_reference(monkeypatch, rope, group):
+    """Runs of query tokens with one start (a request's prefill chunk) are served ``group`` tokens a program, the
+    other tokens one a program: a step of two chunks, decode tokens of other requests, a group cut by the end of the
+    tokens and padding tokens, with the rope part passed apart or joined; equal to the torch twin, every split."""
+    pytest.importorskip("triton")
+    from mla_fuser.kernels.mla_decode_split import mla_decode_split_rows, mla_decode_split_rows_ref
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(2)
+    rank, heads, page, blocks = 32, 4, 16, 12
+    half = (rank + rope) // 2
+    pool = torch.randn(blocks * 2 * page, half, generator=gen)
+    k_rows, v_rows = pool[:-page], pool[page:]
+    slots = torch.tensor([b * 2 * page + p for b in range(blocks) for p in range(page)])
+    slots = slots[torch.randperm(len(slots), generator=gen)][:170]
+    # request 0: 6-token chunk after 40 cached rows (rows 0..46); requests 1-3: one decode token each (rows 46..90);
+    # request 4: 9-token chunk after 70 rows (rows 90..169); then two padding tokens parked on the last row
+    starts, ends = [], []
+    for k_start, cached, new in ((0, 40, 6), (46, 14, 1), (61, 20, 1), (82, 7, 1), (90, 70, 9)):
+        for t in range(new):
+            starts.append(k_start)
+            ends.append(k_start + cached + t + 1)
+    starts += [168, 168]
+    ends += [169, 169]
+    starts = torch.tensor(starts, dtype=torch.int32)
+    ends = torch.tensor(ends, dtype=torch.int32)
+    q = torch.randn(len(starts), heads, rank + rope, generator=gen)
+    want = mla_decode_split_rows_ref(q, k_rows, v_rows, slots, ends, starts, 0.25, rank)
+    for splits in (1, 3):
+        got = mla_decode_split_rows(q, k_rows, v_rows, slots, ends, starts, 0.25, rank, num_splits=splits,
+                                    group=group)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        apart = mla_decode_split_rows(q[..., :rank], k_rows, v_rows, slots, ends, starts, 0.25, rank,
+                                      num_splits=splits, q_rope=q[..., rank:], group=group)
+        torch.testing.assert_close(apart, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tokens_per_program_fills_a_wide_tile():
+    from mla_fuser.kernels.mla_decode_split import tokens_per_program
+
+    assert [tokens_per_program(h) for h in (4, 16, 20, 32, 64, 128)] == [16, 4, 2, 2, 1, 1]
+
+
 @needs_cb
 def test_device_path_chunked_prefill_beside_decodes_equals_native(device_path):
     native, fused = _pair()

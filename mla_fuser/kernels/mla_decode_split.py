@@ -9,6 +9,12 @@ attention itself) — with the same math as ``mla_decode``: per query row ``b`` 
 ``starts[b] <= t < seq_lens[b]``, scores ``q_nope . kv_c + q_pe . k_pe``, output ``softmax @ kv_c``; the two halves
 of ``kv_c`` get one accumulator each.  Split-K partials are merged by ``mla_decode``'s second stage.
 
+A prefill chunk's tokens all attend the same request's rows (each up to its own position).  One program per token
+re-read those rows once per token (a 1000-token chunk read its context 1000 times: ~19% of a serving run's GPU
+time); runs of ``GROUP`` tokens with one start are therefore served by a second launch whose programs hold ``GROUP``
+tokens x H heads as rows (:func:`tokens_per_program`: 64 rows, the decode kernel's wide tile), each row masked to its
+own range; the per-token launch skips those tokens.  Decode tokens (each another request's) stay one per program.
+
 Requirements (else the caller joins the rows and uses ``mla_decode``): ``r/2`` a power of two >= 16, ``p`` even.
 :func:`mla_decode_split_rows_ref` is the torch twin (it rebuilds the rows and calls ``mla_decode_ref``).
 """
@@ -19,7 +25,7 @@ import torch
 
 from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, next_pow2, tl, use_triton
 from .mla_decode import (
-    _LOG2E, _tile_n, default_config, dot_mode, launch_plan, merge_splits, mla_decode_ref, split_partials,
+    _LOG2E, _launch_plan, _tile_n, default_config, dot_mode, merge_splits, mla_decode_ref, split_partials,
 )
 
 __all__ = ["split_rows_supported", "mla_decode_split_rows", "mla_decode_split_rows_ref", "join_split_rows"]
@@ -46,34 +52,53 @@ def mla_decode_split_rows_ref(q, k_rows, v_rows, slots, seq_lens, starts, scale,
 
 
 @LazyJit
-def _split_rows_stage1(Q, KROWS, SLOTS, SEQ_LENS, STARTS, O_PART, LSE, OUT, qk_scale, H, RANK, RH, NUM_SPLITS,
-                       V_SHIFT, stride_qb, stride_qh, stride_kr, stride_pb, stride_ph, stride_ps, stride_lb,
-                       stride_lh, stride_ob, stride_oh, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_VH: tl.constexpr, BLOCK_RH: tl.constexpr, HAS_ROPE: tl.constexpr,
-                       DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+def _split_rows_stage1(Q, QPE, KROWS, SLOTS, SEQ_LENS, STARTS, O_PART, LSE, OUT, qk_scale, T, H, RANK, RH, NUM_SPLITS,
+                       V_SHIFT, stride_qb, stride_qh, stride_eb, stride_eh, stride_kr, stride_pb, stride_ph, stride_ps,
+                       stride_lb, stride_lh, stride_ob, stride_oh, TOKENS: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_VH: tl.constexpr, BLOCK_RH: tl.constexpr,
+                       HAS_ROPE: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       DOT_UPCAST: tl.constexpr):
+    # A program's rows are (token, head) pairs: TOKENS query tokens of H heads each, row r = token r // H, head r % H.
+    # With GROUP > 1 the tokens come in aligned groups of GROUP: a group whose tokens share one start (one request's
+    # prefill chunk) is served by the TOKENS == GROUP launch (its rows read each latent tile once), every other token
+    # by the TOKENS == 1 launch; each launch leaves the other's rows alone.
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
-    b = tl.program_id(2)
-    seq_len = tl.load(SEQ_LENS + b)
-    start_tok = tl.load(STARTS + b)
-    first = (start_tok // BLOCK_N) * BLOCK_N
-    n_tiles = (seq_len - first + BLOCK_N - 1) // BLOCK_N
+    g = tl.program_id(2)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    tok_r = g * TOKENS + offs_h // H
+    head_r = offs_h % H
+    mask_h = (offs_h < TOKENS * H) & (tok_r < T)
+    if GROUP > 1:  # (vectors over the rows, all equal: a scalar condition in a mask trips Triton's interpreter)
+        head_tok = (g * TOKENS // GROUP) * GROUP + offs_h * 0
+        last_tok = tl.minimum(head_tok + GROUP - 1, T - 1)
+        same = (head_tok + GROUP <= T) & (tl.load(STARTS + head_tok) == tl.load(STARTS + last_tok))
+        if TOKENS == GROUP:
+            mask_h = mask_h & same
+        else:
+            mask_h = mask_h & (same == 0)
+    end_r = tl.load(SEQ_LENS + tok_r, mask=mask_h, other=0)
+    start_r = tl.load(STARTS + tok_r, mask=mask_h, other=0)
+    hi = tl.reduce(tl.where(mask_h, end_r, 0), 0, MAX_COMBINE)
+    lo = tl.minimum(-tl.reduce(tl.where(mask_h, -start_r, -(1 << 30)), 0, MAX_COMBINE), hi)  # (the rows' min)
+    first = (lo // BLOCK_N) * BLOCK_N
+    n_tiles = (hi - first + BLOCK_N - 1) // BLOCK_N
     tiles_per_split = (n_tiles + NUM_SPLITS - 1) // NUM_SPLITS
     t_start = first + pid_s * tiles_per_split * BLOCK_N
-    t_end = tl.minimum(t_start + tiles_per_split * BLOCK_N, seq_len)
+    t_end = tl.minimum(t_start + tiles_per_split * BLOCK_N, hi)
 
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
+    tok64 = tok_r.to(tl.int64)
     offs_v = tl.arange(0, BLOCK_VH)
     offs_r = tl.arange(0, BLOCK_RH)
     offs_n = tl.arange(0, BLOCK_N)
     mask_r = offs_r < RH
-    q_row = Q + b * stride_qb + offs_h[:, None] * stride_qh
+    q_row = Q + tok64[:, None] * stride_qb + head_r[:, None] * stride_qh
     q_lo = tl.load(q_row + offs_v[None, :], mask=mask_h[:, None], other=0.0)
     q_hi = tl.load(q_row + BLOCK_VH + offs_v[None, :], mask=mask_h[:, None], other=0.0)
     if HAS_ROPE:
-        qp_lo = tl.load(q_row + RANK + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
-        qp_hi = tl.load(q_row + RANK + RH + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+        qe_row = QPE + tok64[:, None] * stride_eb + head_r[:, None] * stride_eh
+        qp_lo = tl.load(qe_row + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+        qp_hi = tl.load(qe_row + RH + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
         if DOT_UPCAST:
             qp_lo = qp_lo.to(tl.float32)
             qp_hi = qp_hi.to(tl.float32)
@@ -87,17 +112,17 @@ def _split_rows_stage1(Q, KROWS, SLOTS, SEQ_LENS, STARTS, O_PART, LSE, OUT, qk_s
     acc_hi = tl.full([BLOCK_H, BLOCK_VH], 0.0, dtype=tl.float32)
     for start in range(t_start, t_end, BLOCK_N):
         tok = start + offs_n
-        mask_n = (tok < t_end) & (tok >= start_tok)
+        mask_n = (tok < t_end) & (tok >= lo)
         slot = tl.load(SLOTS + tok, mask=mask_n, other=0).to(tl.int64)
         k_ptr = KROWS + slot[:, None] * stride_kr
-        lo = tl.load(k_ptr + offs_v[None, :], mask=mask_n[:, None], other=0.0)
-        hi = tl.load(k_ptr + V_SHIFT + offs_v[None, :], mask=mask_n[:, None], other=0.0)
-        p_dtype = lo.dtype
+        lo_k = tl.load(k_ptr + offs_v[None, :], mask=mask_n[:, None], other=0.0)
+        hi_k = tl.load(k_ptr + V_SHIFT + offs_v[None, :], mask=mask_n[:, None], other=0.0)
+        p_dtype = lo_k.dtype
         if DOT_UPCAST:
-            lo = lo.to(tl.float32)
-            hi = hi.to(tl.float32)
-        s = tl.dot(q_lo, tl.trans(lo), input_precision=DOT_PRECISION)
-        s = tl.dot(q_hi, tl.trans(hi), acc=s, input_precision=DOT_PRECISION)
+            lo_k = lo_k.to(tl.float32)
+            hi_k = hi_k.to(tl.float32)
+        s = tl.dot(q_lo, tl.trans(lo_k), input_precision=DOT_PRECISION)
+        s = tl.dot(q_hi, tl.trans(hi_k), acc=s, input_precision=DOT_PRECISION)
         if HAS_ROPE:
             pe_mask = mask_n[:, None] & mask_r[None, :]
             pe_lo = tl.load(k_ptr + BLOCK_VH + offs_r[None, :], mask=pe_mask, other=0.0)
@@ -107,75 +132,112 @@ def _split_rows_stage1(Q, KROWS, SLOTS, SEQ_LENS, STARTS, O_PART, LSE, OUT, qk_s
                 pe_hi = pe_hi.to(tl.float32)
             s = tl.dot(qp_lo, tl.trans(pe_lo), acc=s, input_precision=DOT_PRECISION)
             s = tl.dot(qp_hi, tl.trans(pe_hi), acc=s, input_precision=DOT_PRECISION)
-        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+        # each row its own range (a tile can hold none of a row's tokens: its max is then -inf, taken as 0)
+        keep = mask_n[None, :] & (tok[None, :] >= start_r[:, None]) & (tok[None, :] < end_r[:, None])
+        s = tl.where(keep, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, MAX_COMBINE))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, SUM_COMBINE)
         acc_lo = acc_lo * alpha[:, None]
         acc_hi = acc_hi * alpha[:, None]
         p = p.to(p_dtype)
         if DOT_UPCAST:
             p = p.to(tl.float32)
-        acc_lo = tl.dot(p, lo, acc=acc_lo, input_precision=DOT_PRECISION)
-        acc_hi = tl.dot(p, hi, acc=acc_hi, input_precision=DOT_PRECISION)
+        acc_lo = tl.dot(p, lo_k, acc=acc_lo, input_precision=DOT_PRECISION)
+        acc_hi = tl.dot(p, hi_k, acc=acc_hi, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_tok = l_i > 0.0
     inv_l = tl.where(has_tok, 1.0 / tl.where(has_tok, l_i, 1.0), 0.0)
     store_mask = mask_h[:, None]
     if DIRECT_OUT:
-        o_ptr = OUT + b * stride_ob + offs_h[:, None] * stride_oh + offs_v[None, :]
+        o_ptr = OUT + tok64[:, None] * stride_ob + head_r[:, None] * stride_oh + offs_v[None, :]
         tl.store(o_ptr, (acc_lo * inv_l[:, None]).to(OUT.dtype.element_ty), mask=store_mask)
         tl.store(o_ptr + BLOCK_VH, (acc_hi * inv_l[:, None]).to(OUT.dtype.element_ty), mask=store_mask)
     else:
-        o_ptr = O_PART + b * stride_pb + offs_h[:, None] * stride_ph + pid_s * stride_ps + offs_v[None, :]
+        o_ptr = O_PART + tok64[:, None] * stride_pb + head_r[:, None] * stride_ph + pid_s * stride_ps + offs_v[None, :]
         tl.store(o_ptr, acc_lo * inv_l[:, None], mask=store_mask)
         tl.store(o_ptr + BLOCK_VH, acc_hi * inv_l[:, None], mask=store_mask)
         lse = tl.where(has_tok, m_i + tl.log2(tl.where(has_tok, l_i, 1.0)), float("-inf"))
-        tl.store(LSE + b * stride_lb + offs_h * stride_lh + pid_s, lse, mask=mask_h)
+        tl.store(LSE + tok64 * stride_lb + head_r * stride_lh + pid_s, lse, mask=mask_h)
 
 
-def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank, num_splits=None):
+def tokens_per_program(heads: int) -> int:
+    """Query tokens of one request's prefill chunk that one program serves together (``GROUP``): as many as make 64
+    rows of (token, head), the decode kernel's wide tile (64 heads: two warpgroups).  Decode tokens, each of another
+    request, stay one per program.  1 when the heads fill a wide tile by themselves."""
+    group = 1
+    while group * 2 * heads <= 64:
+        group *= 2
+    return group
+
+
+def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank, num_splits=None,
+                                 q_rope=None, group=None):
     """Triton path of :func:`mla_decode_split_rows` (no dispatch)."""
-    B, H, D = q.shape
-    rope = D - rank
+    q_lat, q_pe = (q.narrow(-1, 0, rank), q.narrow(-1, rank, q.shape[-1] - rank)) if q_rope is None else (q, q_rope)
+    T, H = q_lat.shape[:2]
+    rope = q_pe.shape[-1]
     v_shift = (v_rows.data_ptr() - k_rows.data_ptr()) // k_rows.element_size()
     if (v_rows.data_ptr() - k_rows.data_ptr()) % k_rows.element_size() or v_rows.stride() != k_rows.stride():
         raise ValueError("mla_decode_split_rows: the V half rows must lie at a whole-element offset from the K half "
                          "rows, with the same strides")
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty((B, H, rank), device=q.device, dtype=q.dtype)
-    if B == 0 or H == 0:
+    q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 or rope == 0 else q_pe.contiguous()
+    out = torch.empty((T, H, rank), device=q_lat.device, dtype=q_lat.dtype)
+    if T == 0 or H == 0:
         return out
-    # tiles and splits as mla_decode plans them, the slot list read as pages of one tile each
-    block_n = _tile_n(default_config(H, q.dtype).block_n, 1)[0]
-    cfg, block_h, block_n, _, _, _, head_tiles, num_splits, block_s, block_vc = launch_plan(
-        q, rank, block_n, cdiv(max(1, slots.shape[-1]), block_n), None, num_splits)
-    direct = num_splits == 1
+    group = tokens_per_program(H) if group is None else group
+    group = group if T >= group else 1
+    dev = None  # (as mla_decode.launch_plan: the device whose SM count sizes the split search)
+    if num_splits is None and q_lat.is_cuda:
+        dev = q_lat.device.index if q_lat.device.index is not None else torch.cuda.current_device()
+    plans = []
+    for tokens in ((1, group) if group > 1 else (1,)):
+        # tiles and splits as mla_decode plans them for rows of `tokens` x H, the slot list read as pages of one
+        # tile each; the grouped launch takes the first one's split count (one set of partials, one merge)
+        block_n = _tile_n(default_config(tokens * H, q_lat.dtype).block_n, 1)[0]
+        plans.append((tokens, _launch_plan(cdiv(T, tokens), tokens * H, rank, rope, block_n,
+                                           cdiv(max(1, slots.shape[-1]), block_n), q_lat.dtype, None, num_splits,
+                                           dev)))
+        num_splits = plans[0][1][7]
     o_part, lse, sp, sl = split_partials(out, num_splits, rank)
-    dot_precision, dot_upcast = dot_mode(q.dtype)
+    dot_precision, dot_upcast = dot_mode(q_lat.dtype)
     rh = rope // 2
-    _split_rows_stage1[(head_tiles, num_splits, B)](
-        q, k_rows, slots, seq_lens, starts, o_part, lse, out, float(scale) * _LOG2E, H, rank, rh, num_splits,
-        v_shift, q.stride(0), q.stride(1), k_rows.stride(0), *sp, *sl, out.stride(0), out.stride(1),
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_VH=rank // 2, BLOCK_RH=max(16, next_pow2(max(rh, 1))),
-        HAS_ROPE=rope > 0, DIRECT_OUT=direct, DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    qe_strides = (q_pe.stride(0), q_pe.stride(1)) if rope else (0, 0)
+    for tokens, (cfg, block_h, block_n, _, _, _, head_tiles, _, block_s, block_vc) in plans:
+        _split_rows_stage1[(head_tiles, num_splits, cdiv(T, tokens))](
+            q_lat, q_pe if rope else q_lat, k_rows, slots, seq_lens, starts, o_part, lse, out,
+            float(scale) * _LOG2E, T, H, rank, rh, num_splits, v_shift, q_lat.stride(0), q_lat.stride(1),
+            *qe_strides, k_rows.stride(0), *sp, *sl, out.stride(0), out.stride(1), TOKENS=tokens, GROUP=group,
+            BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_VH=rank // 2, BLOCK_RH=max(16, next_pow2(max(rh, 1))),
+            HAS_ROPE=rope > 0, DIRECT_OUT=num_splits == 1, DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     merge_splits(o_part, lse, out, rank, num_splits, sp, sl, block_s, block_vc)
     return out
 
 
-def mla_decode_split_rows(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank, num_splits=None):
+def mla_decode_split_rows(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank, num_splits=None, q_rope=None,
+                          group=None):
     """``[B, H, rank]``: absorbed MLA decode of ``q [B, H, rank + rope]`` over latent rows kept as K / V half rows.
 
     ``k_rows`` / ``v_rows``: ``[slots, (rank + rope) / 2]`` views of one layer's K and V half rows (same strides);
     ``slots``: int ``[n]`` the row of each context position; query ``b`` attends positions ``starts[b] <=
-    t < seq_lens[b]`` (int32 ``[B]`` each).  No host read: the launch can be captured in a CUDA graph."""
-    if not split_rows_supported(rank, q.shape[-1] - rank) or k_rows.shape[-1] * 2 != q.shape[-1]:
+    t < seq_lens[b]`` (int32 ``[B]`` each).  ``q_rope [B, H, rope]``: the query's rope part where it lies (``q`` is
+    then the latent part ``[B, H, rank]``; no joined copy).  ``group``: tokens per program for runs of queries with
+    one start (default :func:`tokens_per_program`).  No host read: the launch can be captured in a CUDA graph."""
+    width = q.shape[-1] + (0 if q_rope is None else q_rope.shape[-1])
+    if q_rope is not None and (q.shape[-1] != rank or q_rope.shape[:2] != q.shape[:2] or q_rope.dtype != q.dtype):
+        raise ValueError(f"q_rope {tuple(q_rope.shape)} does not go with a latent query {tuple(q.shape)} of rank {rank}")
+    if not split_rows_supported(rank, width - rank) or k_rows.shape[-1] * 2 != width:
         raise ValueError(f"mla_decode_split_rows: half rows of {k_rows.shape[-1]} do not hold a latent of rank "
-                         f"{rank} + rope {q.shape[-1] - rank} split in two")
+                         f"{rank} + rope {width - rank} split in two")
     if use_triton(q) and k_rows.stride(-1) == 1:
-        return mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank, num_splits)
+        return mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank, num_splits,
+                                            q_rope, group)
+    if q_rope is not None:
+        q = torch.cat([q, q_rope], dim=-1)
     return mla_decode_split_rows_ref(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank)
