@@ -78,10 +78,14 @@ def _pct(values, q):
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_graph=None, max_batch_tokens=None):
+def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_graph=None, max_batch_tokens=None,
+           warmup=None):
+    """One manager serves ``warmup`` (``(prompts, outputs)``, untimed: kernel compiles and the engine's graph captures
+    of the step sizes it meets) and then the timed workload, as a server that has been up a while would."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    config = GenerationConfig(max_new_tokens=max(outputs + (warmup[1] if warmup else [])), do_sample=False,
+                              eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(max_memory_percent=max_memory_percent, num_blocks=num_blocks,
                                   use_cuda_graph=cuda_graph, max_batch_tokens=max_batch_tokens)
     captures = []
@@ -91,15 +95,29 @@ def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_gr
     device = model.get_input_embeddings().weight.device
     manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
     manager.start()
-    try:
-        _sync(device)
-        start = time.perf_counter()
+
+    def serve(prompts, outputs):
         ids = {manager.add_request(p, max_new_tokens=n, record_timestamps=True): n for p, n in zip(prompts, outputs)}
         results, deadline = {}, time.monotonic() + 3600
         while len(results) < len(ids) and time.monotonic() < deadline:
             result = manager.get_result(timeout=1.0)
             if result is not None:
                 results[result.request_id] = result
+        return ids, results
+
+    warm = {}
+    try:
+        if warmup:
+            _sync(device)
+            start = time.perf_counter()
+            ids, results = serve(*warmup)
+            _sync(device)
+            warm = {"warmup_requests": len(ids), "warmup_failed": sum(1 for r in results.values() if r.error),
+                    "warmup_wall_s": time.perf_counter() - start, "warmup_graph_captures": len(captures)}
+            captures.clear()
+        _sync(device)
+        start = time.perf_counter()
+        ids, results = serve(prompts, outputs)
         _sync(device)
         wall = time.perf_counter() - start
     finally:
@@ -124,7 +142,7 @@ def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_gr
         "tpot_ms_all": sorted(round(t * 1e3, 3) for t in tpot),
         "cuda_graph": str(manager.continuous_batching_config.use_cuda_graph), "graph_captures": len(captures),
         "num_blocks": manager.continuous_batching_config.num_blocks,
-        "page_size": manager.continuous_batching_config.page_size,
+        "page_size": manager.continuous_batching_config.page_size, **warm,
     }
 
 
@@ -310,7 +328,9 @@ def main(argv=None):
     p.add_argument("--max-memory-percent", type=float, default=0.8)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=32, help="requests of an untimed run first (kernel compiles)")
+    p.add_argument("--warmup", type=int, default=32,
+                   help="requests of the workload served first, untimed, by the same manager (kernel compiles, the "
+                        "engine's graph captures); the workload's size: every step size the timed run meets")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per engine step (engine default 8192)")
     p.add_argument("--cb-read", choices=["pages", "gather"], default=None,
                    help="how continuous-batching steps read the latent: in place from the pages, or gathered first")
@@ -357,11 +377,9 @@ def main(argv=None):
 
         continuous_batching.READ_PAGES_IN_PLACE = args.cb_read == "pages"
         result["cb_read"] = args.cb_read
-    if args.warmup:
-        run_cb(fused, prompts[:args.warmup], outputs[:args.warmup], args.max_memory_percent, args.num_blocks, graphs,
-               args.max_batch_tokens)
+    warmup = (prompts[:args.warmup], outputs[:args.warmup]) if args.warmup else None
     result["fused_cb"] = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs,
-                                args.max_batch_tokens)
+                                args.max_batch_tokens, warmup)
     result["fused_cb"]["max_batch_tokens"] = args.max_batch_tokens or "engine default (8192)"
     if device.type == "cuda":
         result["fused_cb"]["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)

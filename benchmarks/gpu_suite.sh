@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh                 # every step; results under $OUT (or benchmarks/results/gpu_suite/)
 #   bash benchmarks/gpu_suite.sh tests graph     # only the named steps
 # Steps: tests kernel moe moe_layer ssm model graph generate profile host mamba, and (not in the default set: run
-# them by name) serving modes fp8 fp8_sweeps host_generate fp8_experts fp8_tests step_kernels splits.  Each has its own time limit so
+# them by name) serving modes fp8 fp8_sweeps host_generate fp8_experts fp8_tests step_kernels splits split_rows beam.  Each has its own time limit so
 # one slow step cannot eat the others.
 set -u
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -37,7 +37,7 @@ want profile && step 150 python3 benchmarks/profile_model.py --out "$out/profile
 want host && step 120 python3 benchmarks/profile_host.py --out "$out/profile_host.txt"
 want mamba && step 120 python3 benchmarks/bench_mamba_generate.py --layers 8 --prompt 2048 --new-tokens 64 \
            --out "$out/mamba2_generate.json"
-want serving && step 420 python3 benchmarks/bench_serving.py --requests 1000 --static-requests 256 --native-requests 32 \
+want serving && step 540 python3 benchmarks/bench_serving.py --requests 1000 --warmup 1000 --static-requests 256 --native-requests 32 \
            --out "$out/serving_v2lite.json" --plot "$out/serving_v2lite.png"
 want modes && step 240 env MLA_FUSER_GPU_RESULTS="$out/gpu_generation_modes.json" python3 -m pytest -q -p no:cacheprovider \
            tests/test_gpu_generation_modes.py tests/test_gpu_continuous_batching.py tests/test_gpu_fp8.py
@@ -57,6 +57,8 @@ want step_kernels && step 120 python3 benchmarks/profile_decode_step.py --shapes
            --out "$out/profile_decode_step.json"
 want splits && step 200 python3 benchmarks/bench_mla_decode_kernel.py --heads 16,128 --sweep-splits --no-eager --no-check \
            --shapes 1x512,1x2048,1x8192,1x32768,4x1024,16x1024,16x4096,64x8192 --out "$out/mla_decode_splits.json"
+want split_rows && step 90 python3 benchmarks/bench_split_rows.py --out "$out/split_rows.json"
+want beam && step 200 python3 benchmarks/profile_generate_mode.py --modes greedy,beam4 --out "$out/profile_generate_modes.json"
 want fp8_tests && step 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_experts.py \
            tests/test_fp8_cache.py
 ls -la "$out"

@@ -1,0 +1,101 @@
+"""The split-row decode kernel (continuous batching's attention) on step shapes of a serving run: decode tokens of many
+requests, prefill chunks, and a mix; one token per program (``group=1``) vs runs of one request's tokens grouped
+(the default), by CUDA-graph replay, with the result checked against the torch twin.
+
+    python benchmarks/bench_split_rows.py --out benchmarks/results/split_rows.json
+    python benchmarks/bench_split_rows.py --dry-run          # tiny shapes, interpreted Triton on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def step(requests, heads, rank, rope, device, dtype, seed=0):
+    """One step: ``requests`` = [(cached rows, new tokens)]; the contexts' rows in shuffled slots of a pool whose V
+    halves sit a page after the K halves (as the engine's pages hold them)."""
+    gen = torch.Generator().manual_seed(seed)
+    half, page = (rank + rope) // 2, 256
+    total = sum(c + n for c, n in requests)
+    blocks = -(-total // page) + 1
+    pool = torch.randn(blocks * 2 * page, half, generator=gen).to(device, dtype)
+    k_rows, v_rows = pool[:-page], pool[page:]
+    slots = torch.tensor([b * 2 * page + p for b in range(blocks) for p in range(page)])
+    slots = slots[torch.randperm(len(slots), generator=gen)][:total].to(device, torch.int32)
+    starts, ends, k0 = [], [], 0
+    for cached, new in requests:
+        for t in range(new):
+            starts.append(k0)
+            ends.append(k0 + cached + t + 1)
+        k0 += cached + new
+    q = (torch.randn(len(starts), heads, rank + rope, generator=gen) * 0.5).to(device, dtype)
+    as_i32 = dict(device=device, dtype=torch.int32)
+    return q, k_rows, v_rows, slots, torch.tensor(ends, **as_i32), torch.tensor(starts, **as_i32)
+
+
+def timed(fn, device, replays=20):
+    if device.type != "cuda":
+        fn()
+        return float("nan")
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / replays * 1e3
+
+
+def main(argv=None):
+    from mla_fuser.kernels.mla_decode_split import mla_decode_split_rows, mla_decode_split_rows_ref
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--heads", default="16,128")
+    p.add_argument("--out", default=None)
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    scale = 1 / 192 ** 0.5
+    if cuda:
+        shapes = {"decode_256x600": [(600, 1)] * 256,
+                  "prefill_4x2048": [(0, 2048)] * 4,
+                  "chunk_2048_after_6k": [(6144, 2048)],
+                  "mixed_8x512_prefill_and_192_decodes": [(256, 512)] * 8 + [(800, 1)] * 192}
+    else:
+        shapes = {"decode_8x40": [(40, 1)] * 8, "prefill_2x24": [(0, 24)] * 2, "mixed": [(10, 9), (30, 1), (5, 1)]}
+    rows = []
+    for heads in (int(h) for h in args.heads.split(",")):
+        for name, requests in shapes.items():
+            q, k_rows, v_rows, slots, ends, starts = step(requests, heads, 512, 64, device, dtype)
+            want = mla_decode_split_rows_ref(q.float(), k_rows.float(), v_rows.float(), slots, ends, starts, scale, 512)
+            row = {"heads": heads, "shape": name, "tokens": q.shape[0], "context_rows": int(slots.shape[0])}
+            for label, group in (("one_token_per_program", 1), ("grouped", None)):
+                def run(group=group):
+                    return mla_decode_split_rows(q, k_rows, v_rows, slots, ends, starts, scale, 512, group=group)
+                err = ((run().float() - want).abs().max() / want.abs().max()).item()
+                row[label] = {"us": timed(run, device), "max_rel_err": err}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype), "rows": rows}
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
