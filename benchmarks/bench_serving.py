@@ -334,6 +334,8 @@ def main(argv=None):
     p.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per engine step (engine default 8192)")
     p.add_argument("--cb-read", choices=["pages", "gather"], default=None,
                    help="how continuous-batching steps read the latent: in place from the pages, or gathered first")
+    p.add_argument("--split-rows-group", type=int, default=None,
+                   help="tokens per program of a request's prefill chunk in the split-row kernel (1: one per token)")
     p.add_argument("--no-cuda-graph", action="store_true", help="continuous batching without the engine's graphs")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
@@ -372,6 +374,10 @@ def main(argv=None):
 
     result["transformers"], result["torch"] = transformers.__version__, torch.__version__
     graphs = False if args.no_cuda_graph else None
+    if args.split_rows_group is not None:
+        from mla_fuser.kernels import mla_decode_split
+
+        mla_decode_split.GROUP_TOKENS = result["split_rows_group"] = args.split_rows_group
     if args.cb_read is not None:
         from mla_fuser.runtime import continuous_batching
 

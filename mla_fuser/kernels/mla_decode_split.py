@@ -164,6 +164,11 @@ def _split_rows_stage1(Q, QPE, KROWS, SLOTS, SEQ_LENS, STARTS, O_PART, LSE, OUT,
         tl.store(LSE + tok64 * stride_lb + head_r * stride_lh + pid_s, lse, mask=mask_h)
 
 
+# Tokens per program for runs of one request's tokens when the caller gives none: None picks tokens_per_program(H),
+# 1 turns grouping off (benchmarks set it for an A/B; never read from the environment).
+GROUP_TOKENS: int | None = None
+
+
 def tokens_per_program(heads: int) -> int:
     """Query tokens of one request's prefill chunk that one program serves together (``GROUP``): as many as make 64
     rows of (token, head), the decode kernel's wide tile (64 heads: two warpgroups).  Decode tokens, each of another
@@ -189,7 +194,7 @@ def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, sca
     out = torch.empty((T, H, rank), device=q_lat.device, dtype=q_lat.dtype)
     if T == 0 or H == 0:
         return out
-    group = tokens_per_program(H) if group is None else group
+    group = group or GROUP_TOKENS or tokens_per_program(H)
     group = group if T >= group else 1
     dev = None  # (as mla_decode.launch_plan: the device whose SM count sizes the split search)
     if num_splits is None and q_lat.is_cuda:
