@@ -60,12 +60,45 @@ def timed(fn, device, replays=20):
     return begin.elapsed_time(end) / replays * 1e3
 
 
+def sweep(shapes, device, dtype, scale):
+    """The grouped launch's tile knobs (64 rows of token x head) on the shapes with prefill chunks, H=16; each config
+    checked against the default's output (same math, another summation order)."""
+    from mla_fuser.kernels.mla_decode import MLADecodeConfig
+    from mla_fuser.kernels.mla_decode_split import mla_decode_split_rows_triton
+
+    rows = []
+    for name, requests in shapes.items():
+        if all(new == 1 for _, new in requests):
+            continue
+        q, k_rows, v_rows, slots, ends, starts = step(requests, 16, 512, 64, device, dtype)
+        base = mla_decode_split_rows_triton(q, k_rows, v_rows, slots, ends, starts, scale, 512).float()
+        for block_n in (16, 32, 64):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    cfg = MLADecodeConfig(block_h=64, block_n=block_n, num_warps=warps, num_stages=stages)
+
+                    def run(cfg=cfg):
+                        return mla_decode_split_rows_triton(q, k_rows, v_rows, slots, ends, starts, scale, 512,
+                                                            grouped_config=cfg)
+                    try:
+                        err = ((run().float() - base).abs().max() / base.abs().max()).item()
+                        row = {"shape": name, "block_n": block_n, "warps": warps, "stages": stages,
+                               "us": timed(run, device), "rel_diff_vs_default": err}
+                    except Exception as exc:  # (out of shared memory or registers: recorded, the sweep goes on)
+                        row = {"shape": name, "block_n": block_n, "warps": warps, "stages": stages,
+                               "error": repr(exc)[:200]}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None):
     from mla_fuser.kernels.mla_decode_split import mla_decode_split_rows, mla_decode_split_rows_ref
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", default="16,128")
     p.add_argument("--out", default=None)
+    p.add_argument("--sweep", action="store_true", help="grouped launch's tiles swept on the prefill shapes (H=16)")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -95,6 +128,8 @@ def main(argv=None):
                 row[label] = {"us": timed(run, device), "max_rel_err": err}
             rows.append(row)
             print(json.dumps(row), flush=True)
+    if args.sweep:
+        rows += sweep(shapes, device, dtype, scale)
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype), "rows": rows}
     if args.out:
         with open(args.out, "w") as fh:

@@ -382,6 +382,16 @@ def test_grouped_split_row_kernel_equals_its_reference(monkeypatch, rope, group)
         torch.testing.assert_close(apart, want, rtol=1e-5, atol=1e-5)
 
 
+def test_split_row_kernel_refuses_a_rope_part_that_does_not_fit():
+    from mla_fuser.kernels.mla_decode_split import mla_decode_split_rows
+
+    rows = torch.zeros(8, 20)
+    slots, bounds = torch.arange(8, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="does not go with a latent query"):
+        mla_decode_split_rows(torch.zeros(2, 4, 32), rows, rows, slots, bounds, bounds * 0, 0.25, 32,
+                              q_rope=torch.zeros(3, 4, 8))
+
+
 def test_tokens_per_program_fills_a_wide_tile():
     from mla_fuser.kernels.mla_decode_split import tokens_per_program
 

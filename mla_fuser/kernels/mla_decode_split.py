@@ -25,7 +25,8 @@ import torch
 
 from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, next_pow2, tl, use_triton
 from .mla_decode import (
-    _LOG2E, _launch_plan, _tile_n, default_config, dot_mode, merge_splits, mla_decode_ref, split_partials,
+    _LOG2E, MLADecodeConfig, _launch_plan, _tile_n, default_config, dot_mode, merge_splits, mla_decode_ref,
+    split_partials,
 )
 
 __all__ = ["split_rows_supported", "mla_decode_split_rows", "mla_decode_split_rows_ref", "join_split_rows"]
@@ -169,6 +170,13 @@ def _split_rows_stage1(Q, QPE, KROWS, SLOTS, SEQ_LENS, STARTS, O_PART, LSE, OUT,
 GROUP_TOKENS: int | None = None
 
 
+# The grouped launch's tiles on Hopper, from an H200 sweep (``bench_split_rows.py --sweep``, H=16, bf16,
+# ``split_rows_sweep.json``): 64-token tiles, 8 warps, 3 stages were fastest on all three chunked shapes (1366 us for
+# 4 x 2048-token prefills, 2059 us for a 2048-token chunk after 6k rows, 490 us mixed), 2-6% ahead of the decode
+# kernel's 64-head default (2 stages); 16- or 32-token tiles and 4 warps were 1.3-4x slower.
+GROUPED_CONFIG = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, swap_ab=False, ctas_per_sm=1)
+
+
 def tokens_per_program(heads: int) -> int:
     """Query tokens of one request's prefill chunk that one program serves together (``GROUP``): as many as make 64
     rows of (token, head), the decode kernel's wide tile (64 heads: two warpgroups).  Decode tokens, each of another
@@ -180,8 +188,9 @@ def tokens_per_program(heads: int) -> int:
 
 
 def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank, num_splits=None,
-                                 q_rope=None, group=None):
-    """Triton path of :func:`mla_decode_split_rows` (no dispatch)."""
+                                 q_rope=None, group=None, grouped_config=None):
+    """Triton path of :func:`mla_decode_split_rows` (no dispatch); ``grouped_config`` (an ``MLADecodeConfig``)
+    overrides the grouped launch's tiles (sweeps)."""
     q_lat, q_pe = (q.narrow(-1, 0, rank), q.narrow(-1, rank, q.shape[-1] - rank)) if q_rope is None else (q, q_rope)
     T, H = q_lat.shape[:2]
     rope = q_pe.shape[-1]
@@ -203,9 +212,12 @@ def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, sca
     for tokens in ((1, group) if group > 1 else (1,)):
         # tiles and splits as mla_decode plans them for rows of `tokens` x H, the slot list read as pages of one
         # tile each; the grouped launch takes the first one's split count (one set of partials, one merge)
-        block_n = _tile_n(default_config(tokens * H, q_lat.dtype).block_n, 1)[0]
+        config = None
+        if tokens > 1:  # (fp32: the decode kernel's fp32 defaults, sized for shared memory)
+            config = grouped_config or (GROUPED_CONFIG if q_lat.dtype != torch.float32 else None)
+        block_n = _tile_n((config or default_config(tokens * H, q_lat.dtype)).block_n, 1)[0]
         plans.append((tokens, _launch_plan(cdiv(T, tokens), tokens * H, rank, rope, block_n,
-                                           cdiv(max(1, slots.shape[-1]), block_n), q_lat.dtype, None, num_splits,
+                                           cdiv(max(1, slots.shape[-1]), block_n), q_lat.dtype, config, num_splits,
                                            dev)))
         num_splits = plans[0][1][7]
     o_part, lse, sp, sl = split_partials(out, num_splits, rank)
@@ -236,7 +248,8 @@ def mla_decode_split_rows(q, k_rows, v_rows, slots, seq_lens, starts, scale, ran
     one start (default :func:`tokens_per_program`).  No host read: the launch can be captured in a CUDA graph."""
     width = q.shape[-1] + (0 if q_rope is None else q_rope.shape[-1])
     if q_rope is not None and (q.shape[-1] != rank or q_rope.shape[:2] != q.shape[:2] or q_rope.dtype != q.dtype):
-        raise ValueError(f"q_rope {tuple(q_rope.shape)} does not go with a latent query {tuple(q.shape)} of rank {rank}")
+        raise ValueError(f"q_rope {tuple(q_rope.shape)} does not go with a latent query {tuple(q.shape)} "
+                         f"of rank {rank}")
     if not split_rows_supported(rank, width - rank) or k_rows.shape[-1] * 2 != width:
         raise ValueError(f"mla_decode_split_rows: half rows of {k_rows.shape[-1]} do not hold a latent of rank "
                          f"{rank} + rope {width - rank} split in two")
