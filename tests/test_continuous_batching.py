@@ -317,6 +317,14 @@ def test_in_pages_path_through_the_triton_kernel(monkeypatch, device_path):
     assert launches
 
 
+def _half_row_pool(gen, rank, rope, rows, page=16, blocks=12):
+    """``(k_rows, v_rows, slots)``: K / V half rows of a pool whose V halves sit a page after the K halves (as the
+    engine's blocks hold them), and ``rows`` context positions in scattered slots."""
+    pool = torch.randn(blocks * 2 * page, (rank + rope) // 2, generator=gen)
+    slots = torch.tensor([b * 2 * page + p for b in range(blocks) for p in range(page)])
+    return pool[:-page], pool[page:], slots[torch.randperm(len(slots), generator=gen)][:rows]
+
+
 @pytest.mark.parametrize("rope", [8, 0])
 def test_split_row_kernel_equals_its_reference(monkeypatch, rope):
     """Interpreted Triton vs the torch twin: rows in scattered slots of a pool whose V halves sit a page after the K
@@ -327,12 +335,8 @@ def test_split_row_kernel_equals_its_reference(monkeypatch, rope):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
     gen = torch.Generator().manual_seed(1)
-    rank, heads, page, blocks = 32, 3, 16, 12
-    half = (rank + rope) // 2
-    pool = torch.randn(blocks * 2 * page, half, generator=gen)
-    k_rows, v_rows = pool[:-page], pool[page:]
-    slots = torch.tensor([b * 2 * page + p for b in range(blocks) for p in range(page)])
-    slots = slots[torch.randperm(len(slots), generator=gen)][:150]
+    rank, heads = 32, 3
+    k_rows, v_rows, slots = _half_row_pool(gen, rank, rope, 150)
     q = torch.randn(4, heads, rank + rope, generator=gen)
     starts = torch.tensor([0, 5, 70, 149], dtype=torch.int32)
     ends = torch.tensor([150, 66, 140, 150], dtype=torch.int32)
@@ -354,12 +358,8 @@ def test_grouped_split_row_kernel_equals_its_reference(monkeypatch, rope, group)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
     gen = torch.Generator().manual_seed(2)
-    rank, heads, page, blocks = 32, 4, 16, 12
-    half = (rank + rope) // 2
-    pool = torch.randn(blocks * 2 * page, half, generator=gen)
-    k_rows, v_rows = pool[:-page], pool[page:]
-    slots = torch.tensor([b * 2 * page + p for b in range(blocks) for p in range(page)])
-    slots = slots[torch.randperm(len(slots), generator=gen)][:170]
+    rank, heads = 32, 4
+    k_rows, v_rows, slots = _half_row_pool(gen, rank, rope, 170)
     # request 0: 6-token chunk after 40 cached rows (rows 0..46); requests 1-3: one decode token each (rows 46..90);
     # request 4: 9-token chunk after 70 rows (rows 90..169); then two padding tokens parked on the last row
     starts, ends = [], []
