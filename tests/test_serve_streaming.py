@@ -6,9 +6,11 @@ import asyncio
 
 import pytest
 
-from mla_fuser.serve import missing_packages
+from mla_fuser import compat
+from mla_fuser.serve import MIN_VERSION, missing_packages
 
-pytestmark = pytest.mark.skipif(bool(missing_packages()), reason="serving dependencies missing")
+pytestmark = pytest.mark.skipif(bool(missing_packages()) or compat.transformers_version() < MIN_VERSION,
+                                reason="serving dependencies missing, or a release serve refuses")
 
 TEXTS = ["", "a", " word", 'say "hi"', "back\\slash", "new\nline\ttab", "\x00\x01\x1f\x7f", "é ü ß", "日本語",
          "emoji 🙂", "\u2028\u2029", "</script>", "\ud7ff\ue000"]
