@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -79,9 +80,10 @@ def _pct(values, q):
 
 
 def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_graph=None, max_batch_tokens=None,
-           warmup=None):
+           warmup=None, timed_context=contextlib.nullcontext):
     """One manager serves ``warmup`` (``(prompts, outputs)``, untimed: kernel compiles and the engine's graph captures
-    of the step sizes it meets) and then the timed workload, as a server that has been up a while would."""
+    of the step sizes it meets) and then the timed workload, as a server that has been up a while would;
+    ``timed_context()`` is entered around the timed part only (a profiler)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max(outputs + (warmup[1] if warmup else [])), do_sample=False,
@@ -115,11 +117,12 @@ def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_gr
             warm = {"warmup_requests": len(ids), "warmup_failed": sum(1 for r in results.values() if r.error),
                     "warmup_wall_s": time.perf_counter() - start, "warmup_graph_captures": len(captures)}
             captures.clear()
-        _sync(device)
-        start = time.perf_counter()
-        ids, results = serve(prompts, outputs)
-        _sync(device)
-        wall = time.perf_counter() - start
+        with timed_context():
+            _sync(device)
+            start = time.perf_counter()
+            ids, results = serve(prompts, outputs)
+            _sync(device)
+            wall = time.perf_counter() - start
     finally:
         manager.stop(block=True, timeout=60)
         if torch.cuda.is_available():
