@@ -109,7 +109,9 @@ def _decode_run(model, ids, steps, compile_mode=None, compile_backend="inductor"
 
 def _generate_run(model, ids, steps, warm_tokens=8, cache_dtype=None):
     """Transformers' own ``generate`` (greedy): ms/step from two calls that differ by ``steps`` new tokens, so the
-    prefill (and, for a fused model on CUDA, the eager first step and the capture of the graphed decode) cancel.
+    prefill (and, for a fused model on CUDA, the eager first step and the capture of the graphed decode) cancel; when
+    that difference is not positive (fewer steps than the machine's jitter covers), the median gap between steady
+    steps instead.
     ``cache_dtype``: each call gets its own static ``PagedLatentCache`` of that dtype (the FP8 latent cache).
     Returns (prefill_s, s/step, tokens of the longer call, (None, decode peak bytes over weights))."""
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -153,7 +155,10 @@ def _generate_run(model, ids, steps, warm_tokens=8, cache_dtype=None):
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
         _sync(device)
         prefill = time.perf_counter() - t0
-    return prefill, (long - short) / steps, out[:, ids.shape[1]:], (None, peak), median_step
+    step = (long - short) / steps
+    if step <= 0:  # the two calls differ by less than their jitter (few steps, a busy machine): the steady median
+        step = median_step if median_step else long / (warm_tokens + steps)
+    return prefill, step, out[:, ids.shape[1]:], (None, peak), median_step
 
 
 def _timing(prefill: float, step: float, batch: int, peak=None) -> dict:
