@@ -21,6 +21,8 @@ Requirements (else the caller joins the rows and uses ``mla_decode``): ``r/2`` a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, next_pow2, tl, use_triton
@@ -177,6 +179,12 @@ GROUP_TOKENS: int | None = None
 GROUPED_CONFIG = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, swap_ab=False, ctas_per_sm=1)
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper(device_index: int | None) -> bool:
+    """Whether :data:`GROUPED_CONFIG` (3 stages of 64-token tiles: Hopper's shared memory) fits this device."""
+    return device_index is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def tokens_per_program(heads: int) -> int:
     """Query tokens of one request's prefill chunk that one program serves together (``GROUP``): as many as make 64
     rows of (token, head), the decode kernel's wide tile (64 heads: two warpgroups).  Decode tokens, each of another
@@ -205,16 +213,16 @@ def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, sca
         return out
     group = group or GROUP_TOKENS or tokens_per_program(H)
     group = group if T >= group else 1
-    dev = None  # (as mla_decode.launch_plan: the device whose SM count sizes the split search)
-    if num_splits is None and q_lat.is_cuda:
-        dev = q_lat.device.index if q_lat.device.index is not None else torch.cuda.current_device()
+    cuda = (q_lat.device.index if q_lat.device.index is not None else torch.cuda.current_device()) \
+        if q_lat.is_cuda else None
+    dev = cuda if num_splits is None else None  # (as mla_decode.launch_plan: whose SM count sizes the split search)
     plans = []
     for tokens in ((1, group) if group > 1 else (1,)):
         # tiles and splits as mla_decode plans them for rows of `tokens` x H, the slot list read as pages of one
         # tile each; the grouped launch takes the first one's split count (one set of partials, one merge)
         config = None
-        if tokens > 1:  # (fp32: the decode kernel's fp32 defaults, sized for shared memory)
-            config = grouped_config or (GROUPED_CONFIG if q_lat.dtype != torch.float32 else None)
+        if tokens > 1:  # (fp32, or a GPU before Hopper: the decode kernel's defaults, sized for its shared memory)
+            config = grouped_config or (GROUPED_CONFIG if q_lat.dtype != torch.float32 and _hopper(cuda) else None)
         block_n = _tile_n((config or default_config(tokens * H, q_lat.dtype)).block_n, 1)[0]
         plans.append((tokens, _launch_plan(cdiv(T, tokens), tokens * H, rank, rope, block_n,
                                            cdiv(max(1, slots.shape[-1]), block_n), q_lat.dtype, config, num_splits,
