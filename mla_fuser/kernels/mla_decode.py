@@ -515,13 +515,15 @@ def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_spl
     return cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc
 
 
-def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: int = 0):
+def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: int = 0, rows=None):
     """:func:`_launch_plan` for the absorbed query ``q [B, H, D]`` (every latent decode launcher plans here), or its
-    latent part when the rope part (``rope_apart`` wide) is a tensor of its own."""
+    latent part when the rope part (``rope_apart`` wide) is a tensor of its own; ``rows``: ``(programs along B, rows
+    per program)`` when they are not ``(B, H)`` (``mla_decode_split``'s grouped tokens)."""
     dev = None  # the device whose SM count sizes the split search (when it is not given)
     if num_splits is None and q.is_cuda:
         dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     B, H, D = q.shape
+    B, H = (B, H) if rows is None else rows
     return _launch_plan(B, H, v_dim, D + rope_apart - v_dim, page_size, max_pages, q.dtype, config, num_splits, dev)
 
 

@@ -27,7 +27,7 @@ import torch
 
 from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, next_pow2, tl, use_triton
 from .mla_decode import (
-    _LOG2E, MLADecodeConfig, _launch_plan, _tile_n, default_config, dot_mode, merge_splits, mla_decode_ref,
+    _LOG2E, MLADecodeConfig, _tile_n, default_config, dot_mode, launch_plan, merge_splits, mla_decode_ref,
     split_partials,
 )
 
@@ -180,9 +180,10 @@ GROUPED_CONFIG = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper(device_index: int | None) -> bool:
-    """Whether :data:`GROUPED_CONFIG` (3 stages of 64-token tiles: Hopper's shared memory) fits this device."""
-    return device_index is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
+def _hopper(device: torch.device) -> bool:
+    """Whether :data:`GROUPED_CONFIG` (3 stages of 64-token tiles: Hopper's shared memory) fits this device (a
+    tensor's: a CUDA one always has its index)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def tokens_per_program(heads: int) -> int:
@@ -213,20 +214,17 @@ def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, sca
         return out
     group = group or GROUP_TOKENS or tokens_per_program(H)
     group = group if T >= group else 1
-    cuda = (q_lat.device.index if q_lat.device.index is not None else torch.cuda.current_device()) \
-        if q_lat.is_cuda else None
-    dev = cuda if num_splits is None else None  # (as mla_decode.launch_plan: whose SM count sizes the split search)
     plans = []
     for tokens in ((1, group) if group > 1 else (1,)):
         # tiles and splits as mla_decode plans them for rows of `tokens` x H, the slot list read as pages of one
         # tile each; the grouped launch takes the first one's split count (one set of partials, one merge)
         config = None
         if tokens > 1:  # (fp32, or a GPU before Hopper: the decode kernel's defaults, sized for its shared memory)
-            config = grouped_config or (GROUPED_CONFIG if q_lat.dtype != torch.float32 and _hopper(cuda) else None)
+            swept = q_lat.dtype != torch.float32 and _hopper(q_lat.device)
+            config = grouped_config or (GROUPED_CONFIG if swept else None)
         block_n = _tile_n((config or default_config(tokens * H, q_lat.dtype)).block_n, 1)[0]
-        plans.append((tokens, _launch_plan(cdiv(T, tokens), tokens * H, rank, rope, block_n,
-                                           cdiv(max(1, slots.shape[-1]), block_n), q_lat.dtype, config, num_splits,
-                                           dev)))
+        plans.append((tokens, launch_plan(q_lat, rank, block_n, cdiv(max(1, slots.shape[-1]), block_n), config,
+                                          num_splits, rope_apart=rope, rows=(cdiv(T, tokens), tokens * H))))
         num_splits = plans[0][1][7]
     o_part, lse, sp, sl = split_partials(out, num_splits, rank)
     dot_precision, dot_upcast = dot_mode(q_lat.dtype)
