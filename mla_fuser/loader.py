@@ -22,12 +22,11 @@ def _finish(model, attn_implementation, notes=()):
 
 # from_pretrained keywords that only say where and how to load (anything else may be a config override, which a
 # config passed along would send to the model's __init__ instead: then the checkpoint is left to Transformers)
-_LOADING_KEYWORDS = frozenset({
-    "dtype", "torch_dtype", "device_map", "low_cpu_mem_usage", "output_loading_info", "use_safetensors", "variant",
-    "cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies",
-    "trust_remote_code", "config"})
 _CONFIG_KEYWORDS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies",
-                    "trust_remote_code")
+                    "trust_remote_code")  # (the ones reading the config needs too)
+_LOADING_KEYWORDS = frozenset(_CONFIG_KEYWORDS) | {
+    "dtype", "torch_dtype", "device_map", "low_cpu_mem_usage", "output_loading_info", "use_safetensors", "variant",
+    "config"}
 
 
 def _keep_fp8_checkpoint(args, kwargs) -> tuple[dict | None, list[str]]:
@@ -69,14 +68,15 @@ class _AutoWrapper:
         from .fusers.fp8_quantize import is_fine_grained_fp8, quantize_linears_to_fp8, transformers_quantizes_here
 
         fp8_config = kwargs.get("quantization_config")
-        if not (is_fine_grained_fp8(fp8_config) and not transformers_quantizes_here()):
+        quantizes_here = transformers_quantizes_here()
+        if not (is_fine_grained_fp8(fp8_config) and not quantizes_here):
             fp8_config = None
         if fp8_config is not None:
             kwargs.pop("quantization_config")
         # a pre-quantised FP8 checkpoint without a GPU: kept in FP8 (``fusers.fp8_checkpoint``), not dequantised
         kept, notes = None, []
         if attn_implementation == ATTENTION_NAME and "quantization_config" not in kwargs and fp8_config is None \
-                and not transformers_quantizes_here():
+                and not quantizes_here:
             kept, notes = _keep_fp8_checkpoint(args, kwargs)
         model = cls._hf_class.from_pretrained(*args, attn_implementation=attn_implementation, **kwargs)
         if kept is not None:

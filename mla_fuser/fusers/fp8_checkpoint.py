@@ -25,6 +25,7 @@ from torch import nn
 
 from ..kernels.fp8.format import FP8_DTYPE
 from .base import FusionReport
+from .fp8_quantize import is_fine_grained_fp8
 
 METHOD = "mla_fuser_fp8"
 NOT_FP8 = "not an FP8 checkpoint"  # (what why_not_kept says of any other checkpoint)
@@ -75,7 +76,7 @@ def why_not_kept(quantization_config) -> str | None:
     """None when a checkpoint with this quantization config is block-FP8 our kernels run; else why not (including
     "not FP8" for anything else)."""
     qc = _as_dict(quantization_config)
-    if qc is None or str(getattr(qc.get("quant_method"), "value", qc.get("quant_method"))) != "fp8":
+    if qc is None or not is_fine_grained_fp8({**qc, "dequantize": False}):  # (FP8, whatever it asks of dequantising)
         return NOT_FP8
     if qc.get("dequantize"):
         return "the config asks for dequantisation"
