@@ -301,7 +301,7 @@ def metrics(B, L, H, ms, copy_gbps):
 def kernel_info():
     from mla_fuser.kernels import mla_decode as md
 
-    info = {k: v for k, v in md.LAST_LAUNCH.items() if k != "stage1"}
+    info = {k: v for k, v in md.LAST_LAUNCH.items() if k not in ("stage1", "config")}
     k1 = md.LAST_LAUNCH.get("stage1")
     for attr in ("n_regs", "n_spills"):
         if k1 is not None and hasattr(k1, attr):
@@ -538,7 +538,7 @@ def main(argv=None):
             case.update(metrics(B, L, H, ms, copy_gbps))
             if not args.no_eager:
                 case["eager_us"] = timer.eager(fns[0]) * 1e3
-            case["config"] = vars(forced or md.default_config(H, dtype))
+            case["config"] = vars(md.LAST_LAUNCH.get("config") or forced or md.default_config(H, dtype))
             case.update(kernel_info())
             print(
                 f"H={H:4d} B={B:4d} L={L:6d}: {case['us']:8.1f} us  {case['GBps']:6.0f} GB/s "

@@ -72,6 +72,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import decode_tiles
 from .dispatch import (
     MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, kernel_op, next_pow2, tl, triton_interpreting, use_triton,
 )
@@ -371,7 +372,8 @@ class MLADecodeConfig:
 @functools.lru_cache(maxsize=None)  # (asked on every call; frozen config)
 def default_config(num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
     """Defaults for Hopper (H100/H200), D=576, picked from sweeps on an H200 (triton 3.6, bf16,
-    page 64; ``benchmarks/bench_mla_decode_kernel.py --sweep``):
+    page 64; ``benchmarks/bench_mla_decode_kernel.py --sweep``); a launch takes the tuned table's tiles
+    (``decode_tiles``) first where the shape and GPU match it:
 
     * H <= 16 (memory bound, ~30 FLOP/byte): one 16-head tile, so the cache is read once;
       64-token tiles, 4 warps (mma.sync path; 255 registers, 94 KB shared memory -> 2 programs per
@@ -496,11 +498,13 @@ LAST_LAUNCH: dict = {}
 
 
 @functools.lru_cache(maxsize=4096)  # pure function of ints, a dtype and a frozen config, asked on every eager call
-def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_splits, dev):
+def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_splits, dev, tuned_ok=True):
     """What one launch shape needs, computed once: ``(cfg, block_h, block_n, per_row, block_v, block_r, head_tiles,
-    num_splits, block_s, block_vc)``; ``cfg`` is ``config`` or the default for ``(H, dtype)``, ``dev`` the CUDA
-    device index whose SM count sizes the split search (None off CUDA or when ``num_splits`` is given)."""
-    cfg = config or default_config(H, dtype)
+    num_splits, block_s, block_vc)``; ``cfg`` is ``config``, else the tuned tiles of ``(H, v_dim, rope)`` on this
+    GPU (``decode_tiles``, where ``tuned_ok``: H counts heads), else the default for ``(H, dtype)``; ``dev`` the
+    CUDA device index (None off CUDA), whose SM count sizes the split search when ``num_splits`` is None."""
+    tuned = None if config is not None or not tuned_ok else decode_tiles.tuned_tiles(H, v_dim, rope, dtype, dev)
+    cfg = config or (MLADecodeConfig(**tuned) if tuned else default_config(H, dtype))
     block_h = min(max(16, next_pow2(cfg.block_h)), max(16, next_pow2(H)))
     block_n, per_row = _tile_n(cfg.block_n, page_size)
     block_v = max(16, next_pow2(v_dim))
@@ -519,12 +523,13 @@ def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: 
     """:func:`_launch_plan` for the absorbed query ``q [B, H, D]`` (every latent decode launcher plans here), or its
     latent part when the rope part (``rope_apart`` wide) is a tensor of its own; ``rows``: ``(programs along B, rows
     per program)`` when they are not ``(B, H)`` (``mla_decode_split``'s grouped tokens)."""
-    dev = None  # the device whose SM count sizes the split search (when it is not given)
-    if num_splits is None and q.is_cuda:
+    dev = None  # the device whose tuned tiles apply and whose SM count sizes the split search
+    if q.is_cuda:
         dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     B, H, D = q.shape
     B, H = (B, H) if rows is None else rows
-    return _launch_plan(B, H, v_dim, D + rope_apart - v_dim, page_size, max_pages, q.dtype, config, num_splits, dev)
+    return _launch_plan(B, H, v_dim, D + rope_apart - v_dim, page_size, max_pages, q.dtype, config, num_splits, dev,
+                        rows is None)
 
 
 def _check_inputs(q, kv_pages, block_table, seq_lens, v_dim, q_rope=None):
@@ -620,7 +625,8 @@ def mla_decode_triton(
         num_stages=cfg.num_stages,
     )  # fmt: skip
     LAST_LAUNCH.clear()
-    LAST_LAUNCH.update(stage1=k1, num_splits=num_splits, block_h=block_h, block_n=block_n, per_row_pages=per_row)
+    LAST_LAUNCH.update(stage1=k1, config=cfg, num_splits=num_splits, block_h=block_h, block_n=block_n,
+                       per_row_pages=per_row)
     merge_splits(o_part, lse, out, v_dim, num_splits, sp, sl, block_s, block_vc)
     return out
 
