@@ -13,7 +13,10 @@ with ``mla_fuser.serve.app.build_app`` on the same fused model in this process, 
 engine config) from a separate client process, ``--http-concurrency`` streaming ``/v1/completions`` requests at a time;
 its output tokens/s, TTFT and TPOT p50/p99 (measured by the client) sit beside the in-process figures.  The prompts are
 then text made of whole-word tokens of the preset's built-in tokenizer, so the server tokenizes each back to exactly
-the ids the in-process run gets; each request asks for its output length with EOS ignored.
+the ids the in-process run gets; each request asks for its output length with EOS ignored.  The clients keep only
+``--http-concurrency`` requests in flight, a lighter load than all 1000 at once, so ``--in-process-concurrency`` (same
+number) also serves the workload in process under that cap: ``http_over_in_process_same_concurrency`` is then what
+HTTP itself costs, beside ``http_over_in_process`` (against all at once).
 
     python benchmarks/bench_serving.py --out benchmarks/results/serving.json          # H200: the issue's workload
     python benchmarks/bench_serving.py --http --out benchmarks/results/serving_http.json  # + through HTTP
@@ -80,10 +83,11 @@ def _pct(values, q):
 
 
 def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_graph=None, max_batch_tokens=None,
-           warmup=None, timed_context=contextlib.nullcontext):
+           warmup=None, timed_context=contextlib.nullcontext, concurrency=None):
     """One manager serves ``warmup`` (``(prompts, outputs)``, untimed: kernel compiles and the engine's graph captures
     of the step sizes it meets) and then the timed workload, as a server that has been up a while would;
-    ``timed_context()`` is entered around the timed part only (a profiler)."""
+    ``timed_context()`` is entered around the timed part only (a profiler).  ``concurrency``: at most that many
+    requests in flight (the next one is added when one finishes), as the HTTP clients send them; None: all at once."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max(outputs + (warmup[1] if warmup else [])), do_sample=False,
@@ -99,12 +103,20 @@ def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_gr
     manager.start()
 
     def serve(prompts, outputs):
-        ids = {manager.add_request(p, max_new_tokens=n, record_timestamps=True): n for p, n in zip(prompts, outputs)}
-        results, deadline = {}, time.monotonic() + 3600
-        while len(results) < len(ids) and time.monotonic() < deadline:
+        queue = list(zip(prompts, outputs))[::-1]
+        ids, results, deadline = {}, {}, time.monotonic() + 3600
+
+        def add(count):
+            for _ in range(min(count, len(queue))):
+                p, n = queue.pop()
+                ids[manager.add_request(p, max_new_tokens=n, record_timestamps=True)] = n
+
+        add(concurrency or len(queue))
+        while len(results) < len(prompts) and time.monotonic() < deadline:
             result = manager.get_result(timeout=1.0)
             if result is not None:
                 results[result.request_id] = result
+                add(1)
         return ids, results
 
     warm = {}
@@ -143,6 +155,7 @@ def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_gr
         "ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
         "tpot_ms": {"p50": _pct([t * 1e3 for t in tpot], 50), "p99": _pct([t * 1e3 for t in tpot], 99)},
         "tpot_ms_all": sorted(round(t * 1e3, 3) for t in tpot),
+        "concurrency": concurrency or "all at once",
         "cuda_graph": str(manager.continuous_batching_config.use_cuda_graph), "graph_captures": len(captures),
         "num_blocks": manager.continuous_batching_config.num_blocks,
         "page_size": manager.continuous_batching_config.page_size, **warm,
@@ -346,6 +359,9 @@ def main(argv=None):
     p.add_argument("--http", action="store_true",
                    help="also send the workload through the HTTP server (mla-fuser serve's) by concurrent clients")
     p.add_argument("--http-concurrency", type=int, default=256, help="requests in flight at once through HTTP")
+    p.add_argument("--in-process-concurrency", type=int, default=None,
+                   help="also serve the workload in process with at most this many requests in flight (the HTTP "
+                        "clients' load: the same-load baseline of --http)")
     p.add_argument("--http-client", nargs=2, metavar=("PORT", "REQUESTS_JSON"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.http_client:  # (the client process of --http)
@@ -394,6 +410,10 @@ def main(argv=None):
         result["fused_cb"]["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
         result["fused_cb"]["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
     print(json.dumps({k: v for k, v in result["fused_cb"].items() if k != "tpot_ms_all"}), flush=True)
+    if args.in_process_concurrency:
+        result["fused_cb_capped"] = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs,
+                                           args.max_batch_tokens, warmup, concurrency=args.in_process_concurrency)
+        print(json.dumps({k: v for k, v in result["fused_cb_capped"].items() if k != "tpot_ms_all"}), flush=True)
     if args.http:
         from transformers import ContinuousBatchingConfig
 
@@ -402,8 +422,11 @@ def main(argv=None):
         result["fused_http"] = run_http(fused, tokenizer, texts, outputs, cb, args.http_concurrency, args.warmup)
         result["http_over_in_process"] = (result["fused_http"]["output_tok_per_s"]
                                           / result["fused_cb"]["output_tok_per_s"])
+        if result.get("fused_cb_capped", {}).get("concurrency") == args.http_concurrency:  # the same offered load
+            result["http_over_in_process_same_concurrency"] = (result["fused_http"]["output_tok_per_s"]
+                                                               / result["fused_cb_capped"]["output_tok_per_s"])
         print(json.dumps(result["fused_http"]), flush=True)
-        print(json.dumps({"http_over_in_process": result["http_over_in_process"]}), flush=True)
+        print(json.dumps({k: v for k, v in result.items() if k.startswith("http_over")}), flush=True)
     n_static = args.requests if args.static_requests is None else args.static_requests
     if n_static:
         result["fused_static"] = run_static(fused, prompts[:n_static], outputs[:n_static], args.static_batch)
