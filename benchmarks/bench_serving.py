@@ -362,6 +362,12 @@ def main(argv=None):
     p.add_argument("--in-process-concurrency", type=int, default=None,
                    help="also serve the workload in process with at most this many requests in flight (the HTTP "
                         "clients' load: the same-load baseline of --http)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval for this process (seconds; Python's default 0.005): how long the engine "
+                        "thread may wait for the GIL while the server thread holds it")
+    p.add_argument("--ab-switch-intervals", default=None,
+                   help="comma list of switch intervals (s): before everything else, serve the workload in process "
+                        "under --in-process-concurrency once per value, alternating, in this one process (an A/B)")
     p.add_argument("--http-client", nargs=2, metavar=("PORT", "REQUESTS_JSON"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.http_client:  # (the client process of --http)
@@ -370,6 +376,8 @@ def main(argv=None):
         args.preset, args.device, args.dtype = "deepseek-v2-lite-tiny", "cpu", "fp32"
         args.requests, args.prompt_range, args.output_range = 12, [4, 40], [2, 12]
         args.static_batch, args.native_requests, args.native_batch, args.num_blocks = 4, 4, 4, 64
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     fused = build_preset(args.preset, dtype=dtype, device=args.device)
     device = fused.get_input_embeddings().weight.device
@@ -385,7 +393,8 @@ def main(argv=None):
     else:
         prompts, outputs = workload(args.requests, args.seed, args.prompt_range, args.output_range, vocab)
     result = {"preset": args.preset, "dtype": args.dtype, "device": str(device), "requests": args.requests,
-              "prompt_range": args.prompt_range, "output_range": args.output_range}
+              "prompt_range": args.prompt_range, "output_range": args.output_range,
+              "switch_interval_s": sys.getswitchinterval()}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -403,6 +412,17 @@ def main(argv=None):
         continuous_batching.READ_PAGES_IN_PLACE = args.cb_read == "pages"
         result["cb_read"] = args.cb_read
     warmup = (prompts[:args.warmup], outputs[:args.warmup]) if args.warmup else None
+    if args.ab_switch_intervals:
+        default_interval, result["switch_interval_ab"] = sys.getswitchinterval(), []
+        for value in (float(v) for v in args.ab_switch_intervals.split(",")):
+            sys.setswitchinterval(value)
+            run = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs,
+                         args.max_batch_tokens, warmup, concurrency=args.in_process_concurrency)
+            row = {"switch_interval_s": value, **{k: run[k] for k in ("output_tok_per_s", "ttft_s", "tpot_ms",
+                                                                      "graph_captures", "failed", "wrong_lengths")}}
+            result["switch_interval_ab"].append(row)
+            print(json.dumps(row), flush=True)
+        sys.setswitchinterval(default_interval)
     result["fused_cb"] = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs,
                                 args.max_batch_tokens, warmup)
     result["fused_cb"]["max_batch_tokens"] = args.max_batch_tokens or "engine default (8192)"

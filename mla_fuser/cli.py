@@ -134,6 +134,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _interval(text: str) -> float:
+    """argparse type of a GIL switch interval: a number of seconds in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected seconds in (0, 1], got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     if not (text.strip().isdigit() and 0 < int(text) < 65536):
         raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {text!r}")
@@ -292,6 +303,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cb-max-memory-percent", type=_fraction, help="max GPU memory fraction for the KV cache (0-1]")
     p.add_argument("--cb-use-cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA graphs for continuous batching (default: the engine decides)")
+    p.add_argument("--switch-interval", type=_interval, default=None, metavar="SECONDS",
+                   help="the server process's GIL switch interval while it serves (default 0.0005; Python's own is "
+                        "0.005): the engine's thread waits less for the GIL the server's thread holds")
     p.add_argument("--timeout-graceful-shutdown", type=_seconds, default=30.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are cancelled")
 

@@ -76,7 +76,8 @@ def server(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes share the CI machine's cores
     with open(log, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "mla_fuser.cli", "serve", "--host", "127.0.0.1", "--port",
-                                 str(port), "--dtype", "fp32", "--timeout-graceful-shutdown", "5"],
+                                 str(port), "--dtype", "fp32", "--timeout-graceful-shutdown", "5",
+                                 "--switch-interval", "0.001"],
                                 stdout=fh, stderr=subprocess.STDOUT, env=env)
     srv = Server(proc, port, log)
     try:
@@ -178,6 +179,23 @@ def test_chat_completion_equals_generate(server, reference, stream):
 
 
 @needs_server
+def test_the_server_serves_under_the_switch_interval_asked(server):
+    assert "GIL switch interval 1 ms" in server.log_text()
+
+
+def test_switch_interval_is_set_for_the_block_and_restored():
+    import sys
+
+    from mla_fuser.serve import SWITCH_INTERVAL_S, switch_interval
+
+    before = sys.getswitchinterval()
+    with pytest.raises(RuntimeError):
+        with switch_interval(SWITCH_INTERVAL_S):
+            assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+            raise RuntimeError("the server stopped")
+    assert sys.getswitchinterval() == before
+
+
 def test_models_lists_the_served_model(server):
     assert [m.id for m in server.client().models.list().data] == [MODEL]
 
@@ -369,6 +387,8 @@ def _usage_error(capsys, monkeypatch, argv) -> str:
     (["serve", "--cb-max-memory-percent", "1.5"], "argument --cb-max-memory-percent: expected a number in (0, 1]"),
     (["serve", "--cb-num-blocks", "0"], "argument --cb-num-blocks: expected a positive integer"),
     (["serve", "--timeout-graceful-shutdown", "-1"], "expected seconds"),
+    (["serve", "--switch-interval", "0"], "argument --switch-interval: expected seconds in (0, 1]"),
+    (["serve", "--switch-interval", "soon"], "argument --switch-interval: expected seconds in (0, 1]"),
 ])
 def test_serve_usage_errors(capsys, monkeypatch, argv, expected):
     assert expected in _usage_error(capsys, monkeypatch, argv)
