@@ -112,15 +112,20 @@ def _check_prompt_ids(args, config) -> None:
                          f"{args.model or args.preset}: expected ids from 0 to {vocab - 1}")
 
 
-def _fraction(text: str) -> float:
-    """argparse type of a memory share: a number in (0, 1]."""
+def _in_unit_interval(text: str, expected: str) -> float:
+    """A number in (0, 1], else argparse's error saying what was ``expected``."""
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def _fraction(text: str) -> float:
+    """argparse type of a memory share: a number in (0, 1]."""
+    return _in_unit_interval(text, "a number in (0, 1]")
 
 
 def _seconds(text: str) -> float:
@@ -136,13 +141,7 @@ def _seconds(text: str) -> float:
 
 def _interval(text: str) -> float:
     """argparse type of a GIL switch interval: a number of seconds in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected seconds in (0, 1], got {text!r}")
-    return value
+    return _in_unit_interval(text, "seconds in (0, 1]")
 
 
 def _port(text: str) -> int:
