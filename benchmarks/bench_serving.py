@@ -82,6 +82,10 @@ def _pct(values, q):
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
+# Further ContinuousBatchingConfig fields for every engine of the run (``--max-requests-per-batch``)
+ENGINE_EXTRA: dict = {}
+
+
 def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_graph=None, max_batch_tokens=None,
            warmup=None, timed_context=contextlib.nullcontext, concurrency=None):
     """One manager serves ``warmup`` (``(prompts, outputs)``, untimed: kernel compiles and the engine's graph captures
@@ -93,7 +97,7 @@ def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_gr
     config = GenerationConfig(max_new_tokens=max(outputs + (warmup[1] if warmup else [])), do_sample=False,
                               eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(max_memory_percent=max_memory_percent, num_blocks=num_blocks,
-                                  use_cuda_graph=cuda_graph, max_batch_tokens=max_batch_tokens)
+                                  use_cuda_graph=cuda_graph, max_batch_tokens=max_batch_tokens, **ENGINE_EXTRA)
     captures = []
     if torch.cuda.is_available():  # count the engine's graph captures (each new padded step size is one)
         begin = torch.cuda.CUDAGraph.capture_begin
@@ -348,6 +352,8 @@ def main(argv=None):
                    help="requests of the workload served first, untimed, by the same manager (kernel compiles, the "
                         "engine's graph captures); the workload's size: every step size the timed run meets")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per engine step (engine default 8192)")
+    p.add_argument("--max-requests-per-batch", type=int, default=None,
+                   help="the engine's max_requests_per_batch (requests a step may hold; engine default: no cap)")
     p.add_argument("--cb-read", choices=["pages", "gather"], default=None,
                    help="how continuous-batching steps read the latent: in place from the pages, or gathered first")
     p.add_argument("--split-rows-group", type=int, default=None,
@@ -378,6 +384,12 @@ def main(argv=None):
         args.static_batch, args.native_requests, args.native_batch, args.num_blocks = 4, 4, 4, 64
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
+    if args.max_requests_per_batch is not None:
+        from transformers import ContinuousBatchingConfig
+
+        if "max_requests_per_batch" not in getattr(ContinuousBatchingConfig, "__dataclass_fields__", {}):
+            p.error("this Transformers' ContinuousBatchingConfig has no max_requests_per_batch")
+        ENGINE_EXTRA["max_requests_per_batch"] = args.max_requests_per_batch
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     fused = build_preset(args.preset, dtype=dtype, device=args.device)
     device = fused.get_input_embeddings().weight.device
@@ -394,7 +406,7 @@ def main(argv=None):
         prompts, outputs = workload(args.requests, args.seed, args.prompt_range, args.output_range, vocab)
     result = {"preset": args.preset, "dtype": args.dtype, "device": str(device), "requests": args.requests,
               "prompt_range": args.prompt_range, "output_range": args.output_range,
-              "switch_interval_s": sys.getswitchinterval()}
+              "switch_interval_s": sys.getswitchinterval(), "engine_extra": dict(ENGINE_EXTRA)}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -438,7 +450,7 @@ def main(argv=None):
         from transformers import ContinuousBatchingConfig
 
         cb = ContinuousBatchingConfig(max_memory_percent=args.max_memory_percent, num_blocks=args.num_blocks,
-                                      use_cuda_graph=graphs, max_batch_tokens=args.max_batch_tokens)
+                                      use_cuda_graph=graphs, max_batch_tokens=args.max_batch_tokens, **ENGINE_EXTRA)
         result["fused_http"] = run_http(fused, tokenizer, texts, outputs, cb, args.http_concurrency, args.warmup)
         result["http_over_in_process"] = (result["fused_http"]["output_tok_per_s"]
                                           / result["fused_cb"]["output_tok_per_s"])

@@ -158,7 +158,7 @@ def _check_serve_setup(args) -> None:
     missing = serve.missing_packages()
     if missing:
         raise UsageError(f"serve needs the server dependencies (missing: {', '.join(missing)}): {serve.INSTALL_HINT}")
-    reason = serve.unsupported()
+    reason = serve.unsupported() or serve.unsupported_options(args)
     if reason:
         raise UsageError(reason)
     if args.model_dir:
@@ -302,6 +302,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cb-max-memory-percent", type=_fraction, help="max GPU memory fraction for the KV cache (0-1]")
     p.add_argument("--cb-use-cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA graphs for continuous batching (default: the engine decides)")
+    p.add_argument("--cb-max-requests-per-batch", type=_positive_int,
+                   help="requests one engine step may hold (the engine's max_requests_per_batch; ours, not a "
+                        "transformers serve option; default: no cap)")
     p.add_argument("--switch-interval", type=_interval, default=None, metavar="SECONDS",
                    help="the server process's GIL switch interval while it serves (default 0.0005; Python's own is "
                         "0.005): the engine's thread waits less for the GIL the server's thread holds")

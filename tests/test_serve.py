@@ -387,6 +387,7 @@ def _usage_error(capsys, monkeypatch, argv) -> str:
     (["serve", "--cb-max-memory-percent", "1.5"], "argument --cb-max-memory-percent: expected a number in (0, 1]"),
     (["serve", "--cb-num-blocks", "0"], "argument --cb-num-blocks: expected a positive integer"),
     (["serve", "--timeout-graceful-shutdown", "-1"], "expected seconds"),
+    (["serve", "--cb-max-requests-per-batch", "0"], "argument --cb-max-requests-per-batch: expected a positive integer"),
     (["serve", "--switch-interval", "0"], "argument --switch-interval: expected seconds in (0, 1]"),
     (["serve", "--switch-interval", "soon"], "argument --switch-interval: expected seconds in (0, 1]"),
 ])
@@ -404,6 +405,29 @@ def test_serve_usage_errors_about_the_model_and_the_address(capsys, monkeypatch,
         busy.listen()
         err = _usage_error(capsys, monkeypatch, ["serve", "--host", "127.0.0.1", "--port", str(busy.getsockname()[1])])
     assert "cannot listen on 127.0.0.1:" in err
+
+
+@needs_server
+def test_cb_options_reach_the_engine_config_or_fail_by_name(capsys, monkeypatch):
+    import argparse
+    import dataclasses
+
+    import transformers
+
+    from mla_fuser.serve import cb_config
+
+    args = argparse.Namespace(cb_max_requests_per_batch=256, cb_max_batch_tokens=2048)
+    if "max_requests_per_batch" in transformers.ContinuousBatchingConfig.__dataclass_fields__:
+        config = cb_config(args)
+        assert (config.max_requests_per_batch, config.max_batch_tokens) == (256, 2048)
+
+    @dataclasses.dataclass
+    class OlderConfig:  # an engine config without the field
+        max_batch_tokens: int | None = None
+
+    monkeypatch.setattr(transformers, "ContinuousBatchingConfig", OlderConfig)
+    err = _usage_error(capsys, monkeypatch, ["serve", "--cb-max-requests-per-batch", "256"])
+    assert "--cb-max-requests-per-batch needs a Transformers whose ContinuousBatchingConfig has max_requests_per_batch" in err
 
 
 @needs_server

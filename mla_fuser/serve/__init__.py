@@ -5,7 +5,8 @@ fused model.  Here the model is loaded and fused by this package (a preset with 
 checkpoint with its own), then handed to Transformers' server pieces (``serve.app``), with continuous batching on by
 default (the fused model's ``init_continuous_batching``, over latent pages).
 
-The ``--cb-*`` options are those of ``transformers serve``, with the same meaning; this package imports the server
+The ``--cb-*`` options are those of ``transformers serve``, with the same meaning, plus ``--cb-max-requests-per-batch``
+(the engine's ``max_requests_per_batch``, which ``transformers serve`` does not offer); this package imports the server
 dependencies (FastAPI, uvicorn, openai: Transformers' ``serving`` extra) only here, after checking they are installed.
 Shutdown (SIGINT/SIGTERM): uvicorn stops accepting, in-flight requests finish within ``--timeout-graceful-shutdown``
 seconds or are cancelled in the engine, the engine stops, the process exits 0.
@@ -28,7 +29,8 @@ MIN_VERSION = FEATURE_MIN_VERSION["serve"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # `--cb-*` option of `transformers serve` -> ContinuousBatchingConfig field (its --cb-block-size is the page size)
 CB_OPTIONS = {"cb_block_size": "page_size", "cb_num_blocks": "num_blocks", "cb_max_batch_tokens": "max_batch_tokens",
-              "cb_max_memory_percent": "max_memory_percent", "cb_use_cuda_graph": "use_cuda_graph"}
+              "cb_max_memory_percent": "max_memory_percent", "cb_use_cuda_graph": "use_cuda_graph",
+              "cb_max_requests_per_batch": "max_requests_per_batch"}
 
 logger = logging.getLogger("mla_fuser.serve")
 
@@ -52,6 +54,19 @@ def unsupported() -> str | None:
 def has_tokenizer(model_dir: str) -> bool:
     """Whether a checkpoint directory holds tokenizer files (a server speaks text)."""
     return any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES)
+
+
+def unsupported_options(args) -> str | None:
+    """Why a ``--cb-*`` option the installed engine has no field for cannot be taken (None when all can)."""
+    import transformers
+
+    fields = getattr(transformers.ContinuousBatchingConfig, "__dataclass_fields__", {})
+    for option, field in CB_OPTIONS.items():
+        if getattr(args, option, None) is not None and field not in fields:
+            flag = "--" + option.replace("_", "-")
+            return (f"{flag} needs a Transformers whose ContinuousBatchingConfig has {field} (installed: "
+                    f"{transformers.__version__})")
+    return None
 
 
 def cb_config(args):
