@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextvars
 import contextlib
+import inspect
 import functools
 
 import torch
@@ -108,21 +109,37 @@ class LazyJit:
     (:func:`on_tensor_device`).
     """
 
-    def __init__(self, fn):
+    def __init__(self, fn, do_not_specialize: tuple[str, ...] = ()):
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", "kernel")
         self.__doc__ = fn.__doc__
+        params = inspect.signature(fn).parameters
+        unknown = [name for name in do_not_specialize if name not in params]
+        if unknown:
+            raise ValueError(f"{self.__name__} has no parameter {', '.join(unknown)} (do_not_specialize)")
+        self.do_not_specialize = tuple(do_not_specialize)
         self._by_mode = {}
 
     def get(self):
         mode = envs.triton_interpreting()  # (read at every launch: the mode may change between calls)
         kernel = self._by_mode.get(mode)
         if kernel is None:
-            kernel = self._by_mode[mode] = triton.jit(self.fn)
+            kernel = self._by_mode[mode] = triton.jit(self.fn, do_not_specialize=self.do_not_specialize or None)
         return kernel
 
     def __getitem__(self, grid):
         return on_tensor_device(self.get()[grid])
+
+
+def lazy_jit(do_not_specialize: tuple[str, ...] = ()):
+    """``@lazy_jit(do_not_specialize=(...))``: :class:`LazyJit` with integer parameters Triton must not specialize.
+
+    Triton compiles a variant per class of each integer argument (1, a multiple of 16, other).  Arguments that change
+    class as a sequence grows or a step's size changes (split counts, a block table's row stride, the lse strides
+    that follow the split count, a step's token count) would otherwise compile new variants mid-generation (seconds
+    each on a GPU host) for no gain: none of them addresses vector loads.  Strides of the tiles a kernel streams stay
+    specialized."""
+    return lambda fn: LazyJit(fn, do_not_specialize)
 
 
 def on_device(t: torch.Tensor):

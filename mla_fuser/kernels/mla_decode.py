@@ -74,7 +74,7 @@ import torch
 
 from . import decode_tiles
 from .dispatch import (
-    MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, kernel_op, next_pow2, tl, triton_interpreting, use_triton,
+    MAX_COMBINE, SUM_COMBINE, cdiv, kernel_op, lazy_jit, next_pow2, tl, triton_interpreting, use_triton,
 )
 from .paged_cpu import mla_decode_cpu
 
@@ -143,7 +143,7 @@ def mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim, starts=None
 # --------------------------------------------------------------------------------------------
 
 
-@LazyJit
+@lazy_jit(do_not_specialize=("NUM_SPLITS", "stride_btb", "stride_lb", "stride_lh"))
 def _mla_decode_stage1(
     Q, QR,  # QR: the query's rope part (Q + V_DIM for a joined query, or a tensor of its own)
     KV, BT, SEQ_LENS, STARTS, O_PART, LSE, OUT,
@@ -287,7 +287,7 @@ def _mla_decode_stage1(
         tl.store(LSE + b * stride_lb + offs_h * stride_lh + pid_s, lse, mask=mask_h)
 
 
-@LazyJit
+@lazy_jit(do_not_specialize=("NUM_SPLITS", "stride_lb", "stride_lh"))
 def _mla_decode_stage2(
     O_PART,
     LSE,

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from .dispatch import (
-    MAX_COMBINE, SUM_COMBINE, LazyJit, kernel_op, tl, triton_interpreting, use_triton,
+    MAX_COMBINE, SUM_COMBINE, kernel_op, lazy_jit, tl, triton_interpreting, use_triton,
 )
 from .latent_fp8 import FP8_DTYPE, dequantise_rows, packed_width, scale_column
 from .mla_decode import (
@@ -83,7 +83,7 @@ def _check(q, kv_pages, v_dim):
         raise ValueError(f"v_dim={v_dim} must be in (0, D={q.shape[-1]}]")
 
 
-@LazyJit
+@lazy_jit(do_not_specialize=("NUM_SPLITS", "stride_btb", "stride_lb", "stride_lh"))
 def _mla_decode_fp8_stage1(
     Q, KV, KVS, BT, SEQ_LENS, STARTS, O_PART, LSE, OUT,
     qk_scale, H, V_DIM, ROPE_DIM, NUM_SPLITS, SCALE_COL,

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, next_pow2, tl, use_triton
+from .dispatch import MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, next_pow2, tl, use_triton
 from .mla_decode import (
     _LOG2E, MLADecodeConfig, _tile_n, default_config, dot_mode, launch_plan, merge_splits, mla_decode_ref,
     split_partials,
@@ -54,7 +54,7 @@ def mla_decode_split_rows_ref(q, k_rows, v_rows, slots, seq_lens, starts, scale,
     return mla_decode_ref(q, latent.unsqueeze(1), table, seq_lens, scale, rank, starts=starts)
 
 
-@LazyJit
+@lazy_jit(do_not_specialize=("T", "NUM_SPLITS", "stride_lb", "stride_lh"))
 def _split_rows_stage1(Q, QPE, KROWS, SLOTS, SEQ_LENS, STARTS, O_PART, LSE, OUT, qk_scale, T, H, RANK, RH, NUM_SPLITS,
                        V_SHIFT, stride_qb, stride_qh, stride_eb, stride_eh, stride_kr, stride_pb, stride_ph, stride_ps,
                        stride_lb, stride_lh, stride_ob, stride_oh, TOKENS: tl.constexpr, GROUP: tl.constexpr,

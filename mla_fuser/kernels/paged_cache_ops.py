@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from .dispatch import LazyJit, kernel_op, next_pow2, tl, use_triton
+from .dispatch import LazyJit, kernel_op, lazy_jit, next_pow2, tl, use_triton
 from .latent_fp8 import is_fp8, paged_append_fp8_triton, paged_write_fp8_triton, quantise_rows
 from .paged_cpu import paged_append_cpu
 
@@ -180,7 +180,7 @@ def paged_append_ref(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
                     None if k_pe is None else k_pe.reshape(batch * new, -1))
 
 
-@LazyJit
+@lazy_jit(do_not_specialize=("stride_tb",))
 def _paged_append_kernel(
     KV,
     TABLE,
