@@ -196,6 +196,7 @@ def test_switch_interval_is_set_for_the_block_and_restored():
     assert sys.getswitchinterval() == before
 
 
+@needs_server
 def test_models_lists_the_served_model(server):
     assert [m.id for m in server.client().models.list().data] == [MODEL]
 
