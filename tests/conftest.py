@@ -13,6 +13,14 @@ def _deterministic():
     yield
 
 
+@pytest.fixture
+def interp(monkeypatch):
+    """Run the Triton kernels under Triton's interpreter, forced through the public dispatch (the kernels are
+    ``LazyJit``: the flag only has to be set before their first launch)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+
+
 def tiny_deepseek(arch="deepseek_v2", attn="sdpa", seed=0, layers=2, **overrides):
     """A tiny DeepSeek-V2/V3 causal LM with seeded random weights (float32, eval mode)."""
     from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config

@@ -17,12 +17,6 @@ FIELDS = {"block_h": 32, "block_n": 64, "num_warps": 8, "num_stages": 3, "swap_a
 
 
 @pytest.fixture
-def interp(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
-
-
-@pytest.fixture
 def fresh_plans():
     md._launch_plan.cache_clear()
     yield

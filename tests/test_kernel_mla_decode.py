@@ -39,13 +39,6 @@ from mla_fuser.kernels.dispatch import triton_available  # noqa: E402
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 
 
-@pytest.fixture
-def interp(monkeypatch):
-    """Run the Triton kernels under the interpreter, forced through the public dispatch."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
-
-
 def _seed(s: int) -> torch.Generator:
     torch.manual_seed(s)
     return torch.Generator().manual_seed(s)

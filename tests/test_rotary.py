@@ -14,12 +14,6 @@ from mla_fuser.rotary_call import ROTARY_ATTR, RotaryCall, _agrees, recipe_table
 pytest.importorskip("triton")
 
 
-@pytest.fixture
-def interpreted(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
-
-
 def _tables(recipe, batch, tokens, rope, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     width = table_width(recipe, rope)
@@ -42,7 +36,7 @@ def _qk(batch, heads, tokens, rope, dtype, seed=1):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("table_batch", [1, 2])
-def test_kernel_matches_its_twin(interpreted, recipe, dtype, table_batch):
+def test_kernel_matches_its_twin(interp, recipe, dtype, table_batch):
     q, k = _qk(2, 3, 5, 12, dtype)  # 6 pairs: not a power of two
     cos, sin = _tables(recipe, table_batch, 5, 12, dtype)
     got, want = rotary_triton(q, k, cos, sin, recipe), rotary_ref(q, k, cos, sin, recipe)
@@ -54,7 +48,7 @@ def test_kernel_matches_its_twin(interpreted, recipe, dtype, table_batch):
             assert torch.equal(g_, w_)
 
 
-def test_kernel_rejects_tables_of_the_wrong_width(interpreted):
+def test_kernel_rejects_tables_of_the_wrong_width(interp):
     q, k = _qk(1, 2, 3, 8, torch.float32)
     cos, sin = _tables("halves", 1, 3, 8, torch.float32)
     with pytest.raises(ValueError, match="cos must be"):
@@ -97,7 +91,7 @@ def _transformers_rotaries():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_call_takes_the_kernel_only_for_a_confirmed_recipe(interpreted, monkeypatch, dtype):
+def test_call_takes_the_kernel_only_for_a_confirmed_recipe(interp, monkeypatch, dtype):
     import mla_fuser.rotary_call as rc
 
     v2, v3_interleave, v3_halves = _transformers_rotaries()
@@ -160,7 +154,7 @@ def test_call_runs_the_function_on_cpu_without_the_kernel():
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
 @pytest.mark.parametrize("interleave", [True, False])
-def test_fused_models_rotate_on_the_kernel_and_equal_native(interpreted, monkeypatch, arch, interleave):
+def test_fused_models_rotate_on_the_kernel_and_equal_native(interp, monkeypatch, arch, interleave):
     if arch == "deepseek_v2" and not interleave:
         pytest.skip("DeepSeek-V2 has one rotary")
     import mla_fuser.rotary_call as rc
