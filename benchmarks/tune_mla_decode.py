@@ -16,6 +16,7 @@ every timing (``--out``).  Compiles are the slow part: ``--jobs`` worker process
 process per shape, filling Triton's on-disk cache), then this process times them one at a time.
 
     python benchmarks/tune_mla_decode.py --out benchmarks/results/mla_decode_tune.json
+    python benchmarks/tune_mla_decode.py --table my_gpu.json   # another GPU: MLA_FUSER_DECODE_TILES=my_gpu.json
     python benchmarks/tune_mla_decode.py --dry-run     # CPU, Triton's interpreter, tiny cases: checks the script
 """
 

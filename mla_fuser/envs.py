@@ -47,6 +47,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "tokens up to which the small-batch MoE path fuses the down projection with the top-k sum"),
     Variable("MLA_FUSER_MOE_CONFIGS", "path", None,
              "JSON of tuned MoE tiles (the `best_configs` format `benchmarks/bench_fused_moe.py` writes)"),
+    Variable("MLA_FUSER_DECODE_TILES", "path", None,
+             "JSON of tuned MLA decode tiles per latent shape (the table `benchmarks/tune_mla_decode.py` writes), "
+             "instead of the one shipped for Hopper"),
     Variable("TRITON_INTERPRET", "switch", False,
              "Triton's own flag: run Triton kernels in its interpreter (how the tests run them on CPU)"),
 )}
@@ -147,3 +150,7 @@ def moe_gemv_tokens(default: int) -> int:
 
 def moe_configs_path() -> str | None:
     return get("MLA_FUSER_MOE_CONFIGS")
+
+
+def decode_tiles_path() -> str | None:
+    return get("MLA_FUSER_DECODE_TILES")

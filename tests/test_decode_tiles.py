@@ -63,20 +63,34 @@ def test_tuned_tiles_apply_only_to_2_byte_dtypes_on_the_tuned_gpu_generation(tmp
 def test_the_launch_plan_takes_tuned_tiles_unless_a_config_is_given_or_rows_are_not_heads(monkeypatch, fresh_plans):
     asked = []
 
-    def tuned(heads, latent, rope, dtype, dev):
-        asked.append((heads, latent, rope, dtype, dev))
+    def tuned(heads, latent, rope, dtype, dev, path):
+        asked.append((heads, latent, rope, dtype, dev, path))
         return FIELDS
 
     monkeypatch.setattr(decode_tiles, "tuned_tiles", tuned)
-    plan = md._launch_plan(4, 20, 512, 64, 64, 8, torch.bfloat16, None, None, 0)
+    plan = md._launch_plan(4, 20, 512, 64, 64, 8, torch.bfloat16, None, None, 0, "table.json")
     assert plan[0] == md.MLADecodeConfig(**FIELDS) and plan[1] == 32  # block_h from the table
-    assert asked == [(20, 512, 64, torch.bfloat16, 0)]
+    assert asked == [(20, 512, 64, torch.bfloat16, 0, "table.json")]
     given = md.MLADecodeConfig(block_h=16, block_n=32)
-    assert md._launch_plan(4, 20, 512, 64, 64, 8, torch.bfloat16, given, None, 0)[0] == given
-    # rows that are not heads (the split-row launcher's token x head rows): the head-count defaults
-    assert md._launch_plan(4, 80, 512, 64, 64, 8, torch.bfloat16, None, None, 0, False)[0] == md.default_config(
+    assert md._launch_plan(4, 20, 512, 64, 64, 8, torch.bfloat16, given, None, 0, "table.json")[0] == given
+    # no table (rows that are not heads: the split-row launcher's token x head rows): the head-count defaults
+    assert md._launch_plan(4, 80, 512, 64, 64, 8, torch.bfloat16, None, None, 0)[0] == md.default_config(
         80, torch.bfloat16)
     assert len(asked) == 1
+
+
+def test_a_table_of_ones_own_replaces_the_shipped_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(decode_tiles, "_capability_major", lambda index: 9)
+    assert decode_tiles.table_path() == decode_tiles.TABLE_PATH
+    own = _write(tmp_path, {"16,512,64": FIELDS})
+    monkeypatch.setenv("MLA_FUSER_DECODE_TILES", own)
+    assert decode_tiles.table_path() == own
+    assert decode_tiles.tuned_tiles(16, 512, 64, torch.bfloat16, 0) == FIELDS
+    monkeypatch.setenv("MLA_FUSER_DECODE_TILES", str(tmp_path / "absent.json"))
+    from mla_fuser.envs import SettingError
+
+    with pytest.raises(SettingError, match="MLA_FUSER_DECODE_TILES"):
+        decode_tiles.table_path()
 
 
 def test_the_shipped_table_is_valid():

@@ -5,7 +5,8 @@
 ``benchmarks/tune_mla_decode.py`` sweeps them on a GPU and writes, per ``(heads, latent, rope)``, the config with the
 smallest worst-case regret over a batch-bound and a split-bound case.  The table applies only where it was measured:
 2-byte dtypes (bf16/fp16) on a CUDA device whose compute-capability major matches the tuning GPU's; anything else
-(another shape, fp32, another GPU generation, the interpreter on CPU) keeps ``default_config``.
+(another shape, fp32, another GPU generation, the interpreter on CPU) keeps ``default_config``.  A table tuned on
+another GPU (the script's ``--table`` output) replaces the shipped one through ``MLA_FUSER_DECODE_TILES``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 import os
 
 import torch
+
+from .. import envs
 
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned", "mla_decode.json")
 FIELDS = ("block_h", "block_n", "num_warps", "num_stages", "swap_ab", "ctas_per_sm")
@@ -49,11 +52,18 @@ def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def tuned_tiles(num_heads: int, latent: int, rope: int, dtype: torch.dtype, device_index: int | None) -> dict | None:
-    """The table's config fields for this shape on CUDA device ``device_index`` (None off CUDA), or None."""
+def table_path() -> str:
+    """The table in use: ``$MLA_FUSER_DECODE_TILES`` where set (read at each call), else the shipped one."""
+    return envs.decode_tiles_path() or TABLE_PATH
+
+
+def tuned_tiles(num_heads: int, latent: int, rope: int, dtype: torch.dtype, device_index: int | None,
+                path: str | None = None) -> dict | None:
+    """The config fields of table ``path`` (default :func:`table_path`; the file parsed once) for this shape on CUDA
+    device ``device_index`` (None off CUDA), or None."""
     if device_index is None or dtype not in (torch.bfloat16, torch.float16):
         return None
-    major, shapes = load_table(TABLE_PATH)
+    major, shapes = load_table(path or table_path())
     if major is None or _capability_major(device_index) != major:
         return None
     return shapes.get((num_heads, latent, rope))

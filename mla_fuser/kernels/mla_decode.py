@@ -498,12 +498,15 @@ LAST_LAUNCH: dict = {}
 
 
 @functools.lru_cache(maxsize=4096)  # pure function of ints, a dtype and a frozen config, asked on every eager call
-def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_splits, dev, tuned_ok=True):
+def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_splits, dev, tiles=None):
     """What one launch shape needs, computed once: ``(cfg, block_h, block_n, per_row, block_v, block_r, head_tiles,
     num_splits, block_s, block_vc)``; ``cfg`` is ``config``, else the tuned tiles of ``(H, v_dim, rope)`` on this
-    GPU (``decode_tiles``, where ``tuned_ok``: H counts heads), else the default for ``(H, dtype)``; ``dev`` the
-    CUDA device index (None off CUDA), whose SM count sizes the split search when ``num_splits`` is None."""
-    tuned = None if config is not None or not tuned_ok else decode_tiles.tuned_tiles(H, v_dim, rope, dtype, dev)
+    GPU in table ``tiles`` (a path, ``decode_tiles``; None where H does not count heads), else the default for
+    ``(H, dtype)``; ``dev`` the CUDA device index (None off CUDA), whose SM count sizes the split search when
+    ``num_splits`` is None."""
+    tuned = None
+    if config is None and tiles is not None:
+        tuned = decode_tiles.tuned_tiles(H, v_dim, rope, dtype, dev, tiles)
     cfg = config or (MLADecodeConfig(**tuned) if tuned else default_config(H, dtype))
     block_h = min(max(16, next_pow2(cfg.block_h)), max(16, next_pow2(H)))
     block_n, per_row = _tile_n(cfg.block_n, page_size)
@@ -528,8 +531,9 @@ def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: 
         dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     B, H, D = q.shape
     B, H = (B, H) if rows is None else rows
+    tiles = decode_tiles.table_path() if dev is not None and rows is None and config is None else None
     return _launch_plan(B, H, v_dim, D + rope_apart - v_dim, page_size, max_pages, q.dtype, config, num_splits, dev,
-                        rows is None)
+                        tiles)
 
 
 def _check_inputs(q, kv_pages, block_table, seq_lens, v_dim, q_rope=None):
