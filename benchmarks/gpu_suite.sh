@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_suite.sh                 # every step; results under $OUT (or benchmarks/results/gpu_suite/)
 #   bash benchmarks/gpu_suite.sh tests graph     # only the named steps
 # Steps: tests kernel moe moe_layer ssm model graph generate profile host mamba, and (not in the default set: run
-# them by name) serving modes fp8 fp8_sweeps host_generate fp8_experts fp8_tests step_kernels splits split_rows beam.  Each has its own time limit so
+# them by name) serving modes fp8 fp8_sweeps host_generate fp8_experts fp8_tests step_kernels splits split_rows beam
+# tune host_gpu serving_http serving_ab.  Each has its own time limit so
 # one slow step cannot eat the others.
 set -u
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -61,4 +62,10 @@ want split_rows && step 90 python3 benchmarks/bench_split_rows.py --out "$out/sp
 want beam && step 200 python3 benchmarks/profile_generate_mode.py --modes greedy,beam4 --out "$out/profile_generate_modes.json"
 want fp8_tests && step 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_experts.py \
            tests/test_fp8_cache.py
+want tune && step 300 python3 benchmarks/tune_mla_decode.py --out "$out/mla_decode_tune.json" --table "$out/mla_decode.json"
+want host_gpu && step 150 python3 benchmarks/bench_host_overhead.py --device cuda --out "$out/host_overhead_gpu.json"
+want serving_http && step 540 python3 benchmarks/bench_serving.py --http --http-concurrency 256 --in-process-concurrency 256 \
+           --warmup 300 --static-requests 0 --native-requests 0 --out "$out/serving_http_same_load.json"
+want serving_ab && step 400 python3 benchmarks/bench_serving.py --in-process-concurrency 256 --warmup 300 --static-requests 0 \
+           --native-requests 0 --ab-switch-intervals 0.0005,0.005,0.0005,0.005 --out "$out/serving_switch_ab.json"
 ls -la "$out"
