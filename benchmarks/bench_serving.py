@@ -20,6 +20,7 @@ HTTP itself costs, beside ``http_over_in_process`` (against all at once).
 
     python benchmarks/bench_serving.py --out benchmarks/results/serving.json          # H200: the issue's workload
     python benchmarks/bench_serving.py --http --out benchmarks/results/serving_http.json  # + through HTTP
+    python benchmarks/bench_serving.py --warmup 300 --repeats 3 --out serving.json      # median of 3 timed runs
     python benchmarks/bench_serving.py --dry-run [--http]                             # CPU: tiny preset, 12 requests
 """
 
@@ -87,11 +88,13 @@ ENGINE_EXTRA: dict = {}
 
 
 def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_graph=None, max_batch_tokens=None,
-           warmup=None, timed_context=contextlib.nullcontext, concurrency=None):
+           warmup=None, timed_context=contextlib.nullcontext, concurrency=None, repeats=1):
     """One manager serves ``warmup`` (``(prompts, outputs)``, untimed: kernel compiles and the engine's graph captures
     of the step sizes it meets) and then the timed workload, as a server that has been up a while would;
     ``timed_context()`` is entered around the timed part only (a profiler).  ``concurrency``: at most that many
-    requests in flight (the next one is added when one finishes), as the HTTP clients send them; None: all at once."""
+    requests in flight (the next one is added when one finishes), as the HTTP clients send them; None: all at once.
+    ``repeats``: the timed workload served that many times by the same manager; the run of median throughput is
+    reported, every run's headline figures under ``repeat_runs`` (runs of one setting differ by ~15%)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max(outputs + (warmup[1] if warmup else [])), do_sample=False,
@@ -123,7 +126,7 @@ def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_gr
                 add(1)
         return ids, results
 
-    warm = {}
+    warm, runs = {}, []
     try:
         if warmup:
             _sync(device)
@@ -132,17 +135,32 @@ def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_gr
             _sync(device)
             warm = {"warmup_requests": len(ids), "warmup_failed": sum(1 for r in results.values() if r.error),
                     "warmup_wall_s": time.perf_counter() - start, "warmup_graph_captures": len(captures)}
+        for _ in range(max(1, repeats)):
             captures.clear()
-        with timed_context():
-            _sync(device)
-            start = time.perf_counter()
-            ids, results = serve(prompts, outputs)
-            _sync(device)
-            wall = time.perf_counter() - start
+            with timed_context():
+                _sync(device)
+                start = time.perf_counter()
+                ids, results = serve(prompts, outputs)
+                _sync(device)
+                wall = time.perf_counter() - start
+            runs.append(dict(_run_summary(ids, results, wall), graph_captures=len(captures)))
     finally:
         manager.stop(block=True, timeout=60)
         if torch.cuda.is_available():
             torch.cuda.CUDAGraph.capture_begin = begin
+    median = sorted(runs, key=lambda r: r["output_tok_per_s"])[len(runs) // 2]
+    out = dict(median, concurrency=concurrency or "all at once",
+               cuda_graph=str(manager.continuous_batching_config.use_cuda_graph),
+               num_blocks=manager.continuous_batching_config.num_blocks,
+               page_size=manager.continuous_batching_config.page_size, **warm)
+    if len(runs) > 1:
+        out["repeat_runs"] = [{k: r[k] for k in ("output_tok_per_s", "ttft_s", "tpot_ms", "graph_captures", "failed")}
+                              for r in runs]
+    return out
+
+
+def _run_summary(ids, results, wall):
+    """One timed run's figures: requests, failures, lengths, output tokens/s, TTFT and TPOT (p50/p99, every TPOT)."""
     failed = [r for r in results.values() if r.error]
     tokens = sum(len(r.generated_tokens) for r in results.values() if not r.error)
     ttft, tpot = [], []
@@ -159,10 +177,6 @@ def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_gr
         "ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
         "tpot_ms": {"p50": _pct([t * 1e3 for t in tpot], 50), "p99": _pct([t * 1e3 for t in tpot], 99)},
         "tpot_ms_all": sorted(round(t * 1e3, 3) for t in tpot),
-        "concurrency": concurrency or "all at once",
-        "cuda_graph": str(manager.continuous_batching_config.use_cuda_graph), "graph_captures": len(captures),
-        "num_blocks": manager.continuous_batching_config.num_blocks,
-        "page_size": manager.continuous_batching_config.page_size, **warm,
     }
 
 
@@ -352,6 +366,9 @@ def main(argv=None):
                    help="requests of the workload served first, untimed, by the same manager (kernel compiles, the "
                         "engine's graph captures); the workload's size: every step size the timed run meets")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per engine step (engine default 8192)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="in-process runs: serve the timed workload this many times on the same manager (the median "
+                        "run is reported, every run under repeat_runs)")
     p.add_argument("--max-requests-per-batch", type=int, default=None,
                    help="the engine's max_requests_per_batch (requests a step may hold; engine default: no cap)")
     p.add_argument("--cb-read", choices=["pages", "gather"], default=None,
@@ -436,7 +453,7 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
         sys.setswitchinterval(default_interval)
     result["fused_cb"] = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs,
-                                args.max_batch_tokens, warmup)
+                                args.max_batch_tokens, warmup, repeats=args.repeats)
     result["fused_cb"]["max_batch_tokens"] = args.max_batch_tokens or "engine default (8192)"
     if device.type == "cuda":
         result["fused_cb"]["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -444,7 +461,8 @@ def main(argv=None):
     print(json.dumps({k: v for k, v in result["fused_cb"].items() if k != "tpot_ms_all"}), flush=True)
     if args.in_process_concurrency:
         result["fused_cb_capped"] = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs,
-                                           args.max_batch_tokens, warmup, concurrency=args.in_process_concurrency)
+                                           args.max_batch_tokens, warmup, concurrency=args.in_process_concurrency,
+                                           repeats=args.repeats)
         print(json.dumps({k: v for k, v in result["fused_cb_capped"].items() if k != "tpot_ms_all"}), flush=True)
     if args.http:
         from transformers import ContinuousBatchingConfig
