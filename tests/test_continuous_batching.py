@@ -326,14 +326,12 @@ def _half_row_pool(gen, rank, rope, rows, page=16, blocks=12):
 
 
 @pytest.mark.parametrize("rope", [8, 0])
-def test_split_row_kernel_equals_its_reference(monkeypatch, rope):
+def test_split_row_kernel_equals_its_reference(interp, rope):
     """Interpreted Triton vs the torch twin: rows in scattered slots of a pool whose V halves sit a page after the K
     halves, several tiles and splits, per-row starts and ends."""
     pytest.importorskip("triton")
     from mla_fuser.kernels.mla_decode_split import mla_decode_split_rows, mla_decode_split_rows_ref
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
     gen = torch.Generator().manual_seed(1)
     rank, heads = 32, 3
     k_rows, v_rows, slots = _half_row_pool(gen, rank, rope, 150)
@@ -348,15 +346,13 @@ def test_split_row_kernel_equals_its_reference(monkeypatch, rope):
 
 @pytest.mark.parametrize("rope", [8, 0])
 @pytest.mark.parametrize("group", [2, 4])
-def test_grouped_split_row_kernel_equals_its_reference(monkeypatch, rope, group):
+def test_grouped_split_row_kernel_equals_its_reference(interp, rope, group):
     """Runs of query tokens with one start (a request's prefill chunk) are served ``group`` tokens a program, the
     other tokens one a program: a step of two chunks, decode tokens of other requests, a group cut by the end of the
     tokens and padding tokens, with the rope part passed apart or joined; equal to the torch twin, every split."""
     pytest.importorskip("triton")
     from mla_fuser.kernels.mla_decode_split import mla_decode_split_rows, mla_decode_split_rows_ref
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
     gen = torch.Generator().manual_seed(2)
     rank, heads = 32, 4
     k_rows, v_rows, slots = _half_row_pool(gen, rank, rope, 170)
@@ -445,14 +441,12 @@ def test_without_page_views_the_engines_own_read_back_is_joined(monkeypatch):
 
 
 @needs_cb
-def test_latent_gather_kernel_equals_its_reference_and_skips_padding(monkeypatch):
+def test_latent_gather_kernel_equals_its_reference_and_skips_padding(interp):
     """The Triton kernel (interpreted) joins K and V halves of the listed slots; rows past the step's count stay
     untouched (a captured step's padding costs nothing)."""
     pytest.importorskip("triton")
     from mla_fuser.kernels.latent_gather import latent_gather, latent_gather_ref
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
     gen = torch.Generator().manual_seed(0)
     k_rows, v_rows = torch.randn(50, 9, generator=gen), torch.randn(50, 9, generator=gen)
     index = torch.randint(0, 50, (37,), generator=gen)

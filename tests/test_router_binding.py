@@ -24,14 +24,8 @@ GROUP_MAX = RouteParams(top_k=4, scoring="softmax", n_group=4, topk_group=2, gro
                         weights_from="values", post=(("div", 3.0), ("scale", 0.5)), out_dtype=torch.bfloat16)
 
 
-@pytest.fixture
-def interpreted(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
-
-
 @pytest.mark.parametrize("params,experts", [(V2_LIKE, 64), (V3_LIKE, 64), (GROUP_MAX, 32)], ids=["v2", "v3", "max"])
-def test_kernel_selects_what_its_twin_selects(interpreted, params, experts):
+def test_kernel_selects_what_its_twin_selects(interp, params, experts):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(9, experts, generator=g) * 3
     correction = torch.randn(experts, generator=g) * 0.1 if params.scoring == "sigmoid" else None
@@ -56,7 +50,7 @@ def _gate(model):
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
-def test_router_runs_on_the_kernel_and_tokens_equal_native(interpreted, monkeypatch, arch):
+def test_router_runs_on_the_kernel_and_tokens_equal_native(interp, monkeypatch, arch):
     """DeepSeek-V2's softmax top-k and V3's sigmoid + correction bias + top-2-sum groups + renorm + scale: both
     routers return ``(logits, weights, ids)`` from their child, so both move to the kernel after their first call."""
     calls = _spy(monkeypatch)
@@ -70,7 +64,7 @@ def test_router_runs_on_the_kernel_and_tokens_equal_native(interpreted, monkeypa
     assert len(calls) >= 2 * 6  # two MoE layers, every step after the first check
 
 
-def test_check_refuses_outputs_that_are_not_logits_weights_ids(interpreted):
+def test_check_refuses_outputs_that_are_not_logits_weights_ids(interp):
     fused = tiny_deepseek(attn="vllm_mla", layers=2)
     mla_fuser.fuse(fused)
     gate = _gate(fused)
@@ -86,7 +80,7 @@ def test_check_refuses_outputs_that_are_not_logits_weights_ids(interpreted):
         assert plan.check(plan.tensors(gate), x, logits) is None
 
 
-def test_checking_call_answers_as_later_calls_do(interpreted):
+def test_checking_call_answers_as_later_calls_do(interp):
     fused = tiny_deepseek(arch="deepseek_v3", attn="vllm_mla", layers=2)
     mla_fuser.fuse(fused)
     gate = _gate(fused)
