@@ -193,17 +193,18 @@ def make_inputs(B, L, H, page_size, device, dtype, gen, ragged=False):
     return q.to(device), kv.to(device), bt.to(device), lens.to(device)
 
 
-def make_inputs_fast(B, L, H, page_size, device, dtype, seed):
-    """Full-length sequences, generated on the device (the large cases are up to 600 MB)."""
+def make_inputs_fast(B, L, H, page_size, device, dtype, seed, width=R + ROPE):
+    """Full-length sequences of ``width``-wide latent rows, generated on the device (the large cases are up to
+    600 MB)."""
     import torch
 
     g = torch.Generator(device=device).manual_seed(seed)
     pages_per_seq = math.ceil(L / page_size)
     total = B * pages_per_seq
-    kv = torch.randn(total, page_size, R + ROPE, device=device, dtype=dtype, generator=g)
+    kv = torch.randn(total, page_size, width, device=device, dtype=dtype, generator=g)
     bt = torch.randperm(total, device=device, generator=g).to(torch.int32).view(B, pages_per_seq)
     lens = torch.full((B,), L, dtype=torch.int32, device=device)
-    q = torch.randn(B, H, R + ROPE, device=device, dtype=dtype, generator=g)
+    q = torch.randn(B, H, width, device=device, dtype=dtype, generator=g)
     return q, kv, bt, lens
 
 

@@ -92,18 +92,6 @@ def compile_key(cfg):
     return (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.swap_ab)
 
 
-def make_inputs(B, L, H, R, rope, device, dtype, seed):
-    import torch
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    pages = math.ceil(L / PAGE)
-    kv = torch.randn(B * pages, PAGE, R + rope, device=device, dtype=dtype, generator=g)
-    bt = torch.randperm(B * pages, device=device, generator=g).to(torch.int32).view(B, pages)
-    lens = torch.full((B,), L, dtype=torch.int32, device=device)
-    q = torch.randn(B, H, R + rope, device=device, dtype=dtype, generator=g)
-    return q, kv, bt, lens
-
-
 def cases_of(H, dry):
     if dry:
         return [(2, 128), (1, 256)]
@@ -114,13 +102,14 @@ def compile_worker(index, dry):
     """Launch every candidate once on the timed shapes (compiles land in Triton's on-disk cache)."""
     import torch
 
+    from bench_mla_decode_kernel import make_inputs_fast
     from mla_fuser.kernels import mla_decode as md
 
     _, H, R, rope = ZOO[index]
     device, dtype = ("cpu" if dry else "cuda"), torch.bfloat16
     failed = 0
     for B, L in cases_of(H, dry):
-        q, kv, bt, lens = make_inputs(B, L, H, R, rope, device, dtype, 0)
+        q, kv, bt, lens = make_inputs_fast(B, L, H, PAGE, device, dtype, 0, width=R + rope)
         for cfg in candidates(H, R, rope):
             try:
                 md.mla_decode_triton(q, kv, bt, lens, 0.1, R, config=cfg)
@@ -185,7 +174,7 @@ def main(argv=None):
     import torch
     import triton
 
-    from bench_mla_decode_kernel import Timer, copy_bandwidth
+    from bench_mla_decode_kernel import Timer, copy_bandwidth, make_inputs_fast
     from mla_fuser.kernels import mla_decode as md
 
     device = "cpu" if args.dry_run else "cuda"
@@ -211,7 +200,8 @@ def main(argv=None):
         rows_by_case = {}
         for B, L in cases_of(H, args.dry_run):
             copies = 1 if device == "cpu" else max(1, min(8, math.ceil(3 * l2 / (B * L * (R + rope) * 2))))
-            sets = [make_inputs(B, L, H, R, rope, device, dtype, seed=B * 131 + L + i) for i in range(copies)]
+            sets = [make_inputs_fast(B, L, H, PAGE, device, dtype, B * 131 + L + i, width=R + rope)
+                    for i in range(copies)]
             ref = md.mla_decode_ref(*sets[0], 0.1, R).float()
             rows = []
             for cfg in [default] + candidates(H, R, rope):
