@@ -43,8 +43,8 @@ def test_table_parses_and_keys_by_heads_latent_rope(tmp_path):
     dict(FIELDS, swap_ab=1),  # not a bool
     dict(FIELDS, extra=1),  # unknown field
 ])
-def test_a_malformed_table_raises_naming_the_shape(tmp_path, bad):
-    with pytest.raises(ValueError, match="20,512,64"):
+def test_a_malformed_table_raises_naming_the_file_and_the_shape(tmp_path, bad):
+    with pytest.raises(ValueError, match="table.json: shape 20,512,64"):
         decode_tiles.load_table(_write(tmp_path, {"20,512,64": bad}))
 
 

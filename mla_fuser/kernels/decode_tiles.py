@@ -23,15 +23,15 @@ TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned", "
 FIELDS = ("block_h", "block_n", "num_warps", "num_stages", "swap_ab", "ctas_per_sm")
 
 
-def _entry(key: str, fields: dict) -> tuple[tuple[int, int, int], dict]:
+def _entry(path: str, key: str, fields: dict) -> tuple[tuple[int, int, int], dict]:
     heads, latent, rope = (int(x) for x in key.split(","))
     if set(fields) != set(FIELDS):
-        raise ValueError(f"{TABLE_PATH}: shape {key} has fields {sorted(fields)}, expected {sorted(FIELDS)}")
+        raise ValueError(f"{path}: shape {key} has fields {sorted(fields)}, expected {sorted(FIELDS)}")
     for name in FIELDS:
         value = fields[name]
         ok = isinstance(value, bool) if name == "swap_ab" else (type(value) is int and value > 0)
         if not ok:
-            raise ValueError(f"{TABLE_PATH}: shape {key} has {name}={value!r}")
+            raise ValueError(f"{path}: shape {key} has {name}={value!r}")
     return (heads, latent, rope), dict(fields)
 
 
@@ -43,7 +43,7 @@ def load_table(path: str = TABLE_PATH) -> tuple[int | None, dict]:
         return None, {}
     with open(path) as fh:
         data = json.load(fh)
-    shapes = dict(_entry(key, fields) for key, fields in data["shapes"].items())
+    shapes = dict(_entry(path, key, fields) for key, fields in data["shapes"].items())
     return int(data["capability"][0]), shapes
 
 
