@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextvars
 import contextlib
-import inspect
 import functools
+import inspect
 
 import torch
 from torch import Tensor
