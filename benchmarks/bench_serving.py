@@ -442,16 +442,17 @@ def main(argv=None):
         result["cb_read"] = args.cb_read
     warmup = (prompts[:args.warmup], outputs[:args.warmup]) if args.warmup else None
     if args.ab_switch_intervals:
-        default_interval, result["switch_interval_ab"] = sys.getswitchinterval(), []
+        from mla_fuser.serve import switch_interval
+
+        result["switch_interval_ab"] = []
         for value in (float(v) for v in args.ab_switch_intervals.split(",")):
-            sys.setswitchinterval(value)
-            run = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs,
-                         args.max_batch_tokens, warmup, concurrency=args.in_process_concurrency)
+            with switch_interval(value):
+                run = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs,
+                             args.max_batch_tokens, warmup, concurrency=args.in_process_concurrency)
             row = {"switch_interval_s": value, **{k: run[k] for k in ("output_tok_per_s", "ttft_s", "tpot_ms",
                                                                       "graph_captures", "failed", "wrong_lengths")}}
             result["switch_interval_ab"].append(row)
             print(json.dumps(row), flush=True)
-        sys.setswitchinterval(default_interval)
     result["fused_cb"] = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs,
                                 args.max_batch_tokens, warmup, repeats=args.repeats)
     result["fused_cb"]["max_batch_tokens"] = args.max_batch_tokens or "engine default (8192)"
