@@ -177,8 +177,13 @@ def profile_rows(fn, per: int, keep: int, every_file: bool = False) -> list:
     fn()
     _sync()
     profiler.disable()
+    return top_rows(pstats.Stats(profiler), per, keep, every_file)
+
+
+def top_rows(stats, per: int, keep: int, every_file: bool = False) -> list:
+    """A profile's ``keep`` functions of most own time (ours only unless ``every_file``), per step of ``per``."""
     rows = []
-    for (file, line, func), (cc, nc, tt, ct, _) in pstats.Stats(profiler).stats.items():
+    for (file, line, func), (cc, nc, tt, ct, _) in stats.stats.items():
         if every_file or "mla_fuser" in file:
             where = file.split("mla_fuser/")[-1] if "mla_fuser" in file else "/".join(file.split("/")[-2:])
             rows.append({"function": f"{where}:{line}({func})", "calls_per_step": nc / per,
@@ -244,13 +249,6 @@ def main():
         step()
     profiler.disable()
     stats = pstats.Stats(profiler)
-    rows = []
-    for (file, line, func), (cc, nc, tt, ct, _) in stats.stats.items():
-        if "mla_fuser" in file:
-            rows.append({"function": f"{file.split('mla_fuser/')[-1]}:{line}({func})", "calls_per_step": nc / args.steps,
-                         "own_us_per_step": round(tt / args.steps * 1e6, 1),
-                         "cum_us_per_step": round(ct / args.steps * 1e6, 1)})
-    rows.sort(key=lambda r: -r["own_us_per_step"])
     own = {"mla_fuser": 0.0, "torch builtins (tensor ops: real CPU compute here)": 0.0, "other Python": 0.0}
     for (file, _, func), (_, _, tt, _, _) in stats.stats.items():
         kind = ("mla_fuser" if "mla_fuser" in file else
@@ -282,7 +280,7 @@ def main():
         "profiled_own_ms_per_step": profiled_ms,
         "profiled_own_ms_note": "own time by where it is spent, under cProfile (inflated by the profiler; "
                                 "'mla_fuser' is the Python this project runs per step)",
-        "profile_top_mla_fuser_own_time": rows[:40],
+        "profile_top_mla_fuser_own_time": top_rows(stats, args.steps, 40),
     }
     if gpu:  # real launches: nothing mocked or counted; where the host time goes, Triton's launcher included
         import triton
