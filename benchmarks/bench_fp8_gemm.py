@@ -5,6 +5,7 @@ Shapes: the linears of DeepSeek-V2-Lite (hidden 2048, no q-LoRA) and DeepSeek-V3
 128x128 block (random normal 0.02).  Variants:
 * ``bf16_mm``: ``torch.mm(x, W_bf16.T)``;
 * ``weight_only``: the weight-only Triton kernel (activations unquantised, tiles and split-K from the table);
+* ``gemv``: the decode GEMV (one launch, scales folded into the activations), at T <= ``GEMV_MAX_TOKENS``;
 * ``fp8_tc``: activation quantisation + the FP8 tensor-core kernel (on GPUs with compute capability >= 8.9);
 * ``auto``: what ``block_fp8_linear`` picks at that T.
 
@@ -33,11 +34,12 @@ first, so the whole sweep is one GPU call of a few minutes:
 
 ``--experts`` runs the block-FP8 experts instead (``fused_experts_fp8``, :mod:`mla_fuser.kernels.fused_moe`): the
 grouped GEMMs of one MoE layer at DeepSeek-V2-Lite's expert shapes (64 experts, hidden 2048, moe_intermediate 1408,
-top-6 of random router scores), T in {1, 16, 64, 512, 8192} tokens, 128x128 block scales per expert, against bf16
-``fused_experts`` on the same weights in the same run: median ms, the speed-up, the bytes of the experts the tokens
-picked over the time (``*_weight_GBps``, and as a fraction of the copy bandwidth), and the error against
-``fused_experts_fp8_ref`` (fp32 on the dequantised weights); eager calls only, timed as ``*_ms``.  JSON:
-``benchmarks/results/fp8_experts.json``.
+top-6 of random router scores), T in {1, 4, 16, 64, 512, 8192} tokens, 128x128 block scales per expert, against bf16
+``fused_experts`` on the same weights in the same run (and, at decode sizes, FP8 without its decode GEMVs:
+``fp8_gemms``): the speed-up, the bytes of the experts the tokens picked over the time (``*_weight_GBps``, and as a
+fraction of the copy bandwidth), and the error against ``fused_experts_fp8_ref`` (fp32 on the dequantised weights).
+Times: ``*_ms`` GPU time (CUDA-graph replay of ``ROUTINGS`` calls, each with its own random routing, L2 flushed
+before each replay), ``*_eager_ms`` one eager call.  JSON: ``benchmarks/results/fp8_experts.json``.
 
 GPU: ``python benchmarks/bench_fp8_gemm.py --out benchmarks/results/fp8_gemm.json`` (a few minutes on an H200);
 ``python benchmarks/bench_fp8_gemm.py --experts --out benchmarks/results/fp8_experts.json``.
@@ -64,6 +66,7 @@ SHAPES = {  # name: (N, K)
     "v3.o_proj": (7168, 16384), "v3.mlp.gate_up": (36864, 7168), "v3.mlp.down": (7168, 18432),
 }
 TINY_SHAPES = {"tiny.a": (40, 128), "tiny.b": (96, 64)}
+EXTRA_SHAPES = {"v2lite.shared.gate_up": (5632, 2048), "v2lite.shared.down": (2048, 2816)}  # 2 shared experts
 SWEEP_SHAPES = ("v2lite.q_proj", "v2lite.kv_a_proj", "v3.mlp.gate_up", "v3.mlp.down")
 MAX_CALLS_PER_GRAPH = 20
 GRAPH_TARGET_MS = 2.0  # calls per graph: enough for about this much GPU time (replay launch cost amortised)
@@ -75,13 +78,15 @@ MAX_REL_ERR = {"weight_only": 0.02, "fp8_tc": 0.1}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", default="1,16,64,512,8192")
+    p.add_argument("--tokens", default="1,4,16,64,512,8192")
     p.add_argument("--shapes", default="", help="comma list of shape names (default: all)")
     p.add_argument("--out", default="", help="JSON file (default benchmarks/results/fp8_gemm.json; temp dir on --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--rep", type=int, default=50, help="do_bench rep (ms)")
     p.add_argument("--experts", action="store_true", help="FP8 vs bf16 fused MoE experts at V2-Lite shapes instead")
     p.add_argument("--sweep", action="store_true", help="time a config grid per (shape, T) and suggest the tables")
+    p.add_argument("--gemv-sweep", action="store_true",
+                   help="time the decode GEMVs' tiles (linear: V2-Lite/V3 shapes; experts: V2-Lite) at T <= 4")
     p.add_argument("--sweep-shapes", default=",".join(SWEEP_SHAPES))
     p.add_argument("--sweep-tokens", default="1,16,64,512,8192")
     p.add_argument("--sweep-rep", type=int, default=20, help="do_bench rep (ms) per swept config")
@@ -92,13 +97,16 @@ EXPERTS = dict(num_experts=64, hidden=2048, inter=1408, topk=6)  # DeepSeek-V2-L
 TINY_EXPERTS = dict(num_experts=8, hidden=64, inter=40, topk=2)
 
 
-def bench_experts(args, bench, result, device, tokens):
+ROUTINGS = 8  # calls per graph in --experts, each with its own routing (a decode step's layers pick other experts)
+
+
+def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
     """The ``--experts`` section: FP8 vs bf16 fused experts of one MoE layer, one row per token count."""
     import torch
     from mla_fuser.kernels.fp8.experts import quantize_expert_stack
     from mla_fuser.kernels.fused_moe import (fused_experts, fused_experts_fp8, fused_experts_fp8_ref,
                                              fused_experts_fp8_triton, fused_experts_triton)
-    from mla_fuser.kernels.fused_moe.launch import _choose_path
+    from mla_fuser.kernels.fused_moe.launch import _choose_path, gemv_down_max_tokens
 
     shape = TINY_EXPERTS if args.dry_run else EXPERTS
     e, h, i, k = shape["num_experts"], shape["hidden"], shape["inter"], shape["topk"]
@@ -114,32 +122,39 @@ def bench_experts(args, bench, result, device, tokens):
     per_expert = {"bf16": 3 * h * i * 2, "fp8": 3 * h * i + 4 * (s1[0].numel() + s2[0].numel())}
     for t in tokens:
         x = (torch.randn(t, h, device=device, generator=gen)).to(torch.bfloat16)
-        scores = torch.rand(t, e, device=device, generator=gen)
-        weights, ids = scores.topk(k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
-        picked = int(torch.unique(ids).numel())
+        routes = []
+        for _ in range(ROUTINGS):
+            weights, ids = torch.rand(t, e, device=device, generator=gen).topk(k, dim=-1)
+            routes.append((ids, weights / weights.sum(-1, keepdim=True)))
+        ids, weights = routes[0]
+        picked = sum(int(torch.unique(r[0]).numel()) for r in routes) / len(routes)
         ref = fused_experts_fp8_ref(x, q1, s1, q2, s2, ids, weights, **layout).float()
         # the ops as a model calls them (Triton on CUDA); the dry run calls the Triton launchers themselves
         bf16_op = fused_experts_triton if args.dry_run else fused_experts
         fp8_op = fused_experts_fp8_triton if args.dry_run else fused_experts_fp8
-        variants = {"bf16": lambda: bf16_op(x, gate_up, down, ids, weights),
-                    "fp8": lambda: fp8_op(x, q1, s1, q2, s2, ids, weights, **layout)}
+        variants = {"bf16": lambda i: bf16_op(x, gate_up, down, *routes[i]),
+                    "fp8": lambda i: fp8_op(x, q1, s1, q2, s2, *routes[i], **layout)}
+        if t <= gemv_down_max_tokens():
+            variants["fp8_gemms"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
+                                                                       decode_gemv=False)
         row = {"tokens": t, "experts_picked": picked, "path": _choose_path("auto", t, t * k)}
         for label, fn in variants.items():
             try:
-                out = fn().float()
+                out = fn(0).float()
                 row[f"{label}_rel_err_vs_fp8_ref"] = float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
-                ms = bench(fn)
-                row[f"{label}_ms"] = ms
-                row[f"{label}_weight_GBps"] = picked * per_expert[label] / ms / 1e6
+                row[f"{label}_eager_ms"] = eager_ms(fn)
+                ms = row[f"{label}_ms"] = graph_ms(fn, ROUTINGS, ROUTINGS) if device == "cuda" else row[
+                    f"{label}_eager_ms"]
+                row[f"{label}_weight_GBps"] = picked * per_expert[label.split("_")[0]] / ms / 1e6
                 row[f"{label}_TFLOPs"] = 2 * t * k * 3 * h * i / ms / 1e9
                 if "copy_GBps" in result:
                     row[f"{label}_frac_of_copy"] = row[f"{label}_weight_GBps"] / result["copy_GBps"]
             except Exception as exc:  # record and go on
                 row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                 traceback.print_exc()
-        if "fp8_ms" in row and "bf16_ms" in row:
-            row["fp8_speedup_vs_bf16"] = row["bf16_ms"] / row["fp8_ms"]
+        for label in ("fp8", "fp8_gemms"):
+            if f"{label}_ms" in row and "bf16_ms" in row:
+                row[f"{label}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{label}_ms"]
         result["rows"].append(row)
         print(json.dumps({kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in row.items()}), flush=True)
     return result
@@ -426,6 +441,85 @@ def run_sweep(args, result, device, eager_ms, graph_ms, log):
 # the GEMM rows
 
 
+GEMV_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (4, 8, 16) for bk in (256, 512, 1024)
+              for w in (4, 8)]
+GEMV_SWEEP_SHAPES = ("v2lite.q_proj", "v2lite.kv_a_proj", "v2lite.o_proj", "v2lite.shared.gate_up",
+                     "v2lite.shared.down", "v3.mlp.gate_up", "v3.mlp.down")
+
+
+def run_gemv_sweep(args, result, device, graph_ms, tokens):
+    """``--gemv-sweep``: every ``GEMV_SWEEP`` tile of the linear decode GEMV (per shape) and of the experts' two
+    decode GEMVs (one V2-Lite MoE layer, both GEMVs on one tile), GPU time as ``*_ms`` of the default section; the
+    best tile per row and the tile with the best geometric-mean time overall."""
+    import math
+
+    import torch
+    from mla_fuser.kernels.fp8 import block_fp8_linear_ref
+    from mla_fuser.kernels.fp8 import linear as fp8_linear
+    from mla_fuser.kernels.fp8.experts import quantize_expert_stack
+    from mla_fuser.kernels.fused_moe import fused_experts_fp8_ref, fused_experts_fp8_triton
+
+    block = tuple(result["block"])
+    grid = GEMV_SWEEP[:2] if args.dry_run else GEMV_SWEEP
+    shapes = TINY_SHAPES if args.dry_run else {k: v for k, v in {**SHAPES, **EXTRA_SHAPES}.items()
+                                               if k in GEMV_SWEEP_SHAPES}
+    timer = graph_ms if device == "cuda" else (lambda fn, copies, calls, rep: 0.0)
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20) if device == "cuda" else 0
+    gen = torch.Generator(device=device).manual_seed(0)
+    records = []
+    for name, (n, k) in shapes.items():
+        copies = weight_copies(n * k, l2) if l2 else 1
+        weights = quantised_copies(n, k, block, copies, device, gen)
+        for t in tokens:
+            x = torch.randn(t, k, device=device, generator=gen).to(torch.bfloat16)
+            ref = block_fp8_linear_ref(x, *weights[0][:2], *block).float()
+            for cfg in grid:
+                conf = fp8_linear.GEMVConfig(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"])
+                fn = (lambda i, c=conf: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block, config=c))
+                err = float((fn(0).float() - ref).abs().max() / ref.abs().max())
+                records.append(dict(kind="linear", shape=name, tokens=t, **cfg, rel_err=err,
+                                    ms=timer(fn, copies, min(copies * 2, MAX_CALLS_PER_GRAPH), args.sweep_rep)))
+        weights = None  # (freed before the next shape's copies are made)
+    shape = TINY_EXPERTS if args.dry_run else EXPERTS
+    e, h, i, topk = shape["num_experts"], shape["hidden"], shape["inter"], shape["topk"]
+    eblock = (16, 16) if args.dry_run else (128, 128)
+    q1, s1 = quantize_expert_stack(torch.randn(e, 2 * i, h, device=device, generator=gen) * 0.02, eblock,
+                                   rows=2 * -(-i // eblock[0]))
+    q2, s2 = quantize_expert_stack(torch.randn(e, h, i, device=device, generator=gen) * 0.02, eblock)
+    layout = dict(gate_up_block=eblock, down_block=eblock, up_scale_base=s1.shape[1] // 2, up_row_shift=0)
+    for t in tokens:
+        x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16)
+        routes = []
+        for _ in range(ROUTINGS):
+            w, ids = torch.rand(t, e, device=device, generator=gen).topk(topk, dim=-1)
+            routes.append((ids, w / w.sum(-1, keepdim=True)))
+        ref = fused_experts_fp8_ref(x, q1, s1, q2, s2, *routes[0], **layout).float()
+        for cfg in grid:
+            conf = {"fp8_gemv1": cfg, "fp8_gemv2": cfg}
+            fn = (lambda j, c=conf: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[j], **layout, config=c))
+            err = float((fn(0).float() - ref).abs().max() / ref.abs().max())
+            records.append(dict(kind="experts", shape="v2lite.experts", tokens=t, **cfg, rel_err=err,
+                                ms=timer(fn, ROUTINGS, ROUTINGS, args.sweep_rep)))
+    best, by_cfg = {}, {}
+    for r in records:
+        key = (r["kind"], r["shape"], r["tokens"])
+        if r["rel_err"] < MAX_REL_ERR["weight_only"] and (key not in best or r["ms"] < best[key]["ms"]):
+            best[key] = r
+    for r in records:
+        cfg = (r["kind"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"])
+        by_cfg.setdefault(cfg, []).append(r["ms"] / max(best[(r["kind"], r["shape"], r["tokens"])]["ms"], 1e-12))
+    overall = {}
+    for (kind, *cfg), ratios in by_cfg.items():
+        geo = math.exp(sum(math.log(max(v, 1e-12)) for v in ratios) / len(ratios))
+        if kind not in overall or geo < overall[kind]["geomean_vs_best"]:
+            overall[kind] = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], geomean_vs_best=geo,
+                                 worst_vs_best=max(ratios))
+    result["gemv_sweep"] = dict(records=records, best=list(best.values()), best_overall=overall)
+    for r in best.values():
+        print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+    print("best overall:", json.dumps(overall), flush=True)
+
+
 def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
     """The default section: each variant at each (shape, T), GPU and eager times."""
     import torch
@@ -447,6 +541,8 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
             variants = {"bf16_mm": lambda i: torch.mm(x, weights[i][2].T),
                         "weight_only": lambda i: fp8_linear.w8_linear_triton(x, *weights[i][:2], None, *block),
                         "auto": lambda i: block_fp8_linear(x, *weights[i][:2], block)}
+            if t <= fp8_linear.GEMV_MAX_TOKENS:
+                variants["gemv"] = lambda i: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block)
             if has_tc:
                 variants["fp8_tc"] = lambda i: fp8_linear.fp8_linear_triton(x, *weights[i][:2], None, *block)
             row = {"shape": name, "N": n, "K": k, "tokens": t, "auto_path": fp8_linear.choose_path(t, x, *block)}
@@ -467,7 +563,7 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                 except Exception as exc:  # record and go on: one run on the GPU must give every other number
                     row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                     traceback.print_exc()
-            for label in ("weight_only", "fp8_tc", "auto"):
+            for label in ("weight_only", "gemv", "fp8_tc", "auto"):
                 for kind in ("", "eager_"):
                     if f"{label}_{kind}ms" in row and f"bf16_mm_{kind}ms" in row:
                         row[f"{label}_{kind}speedup_vs_bf16"] = row[f"bf16_mm_{kind}ms"] / row[f"{label}_{kind}ms"]
@@ -515,16 +611,15 @@ def main(argv=None):
         result["copy_GBps"] = 2 * src.numel() / ms / 1e6
         del src, dst
         print(f"copy bandwidth {result['copy_GBps']:.0f} GB/s", flush=True)
-    if args.sweep:
+    if args.gemv_sweep:
+        run_gemv_sweep(args, result, device, graph_ms, [1, 3] if args.dry_run else [1, 4])
+    elif args.sweep:
         run_sweep(args, result, device, eager_ms, graph_ms, lambda msg: print(msg, flush=True))
     elif args.experts:
-        def bench(fn):
-            return eager_ms(lambda i: fn())
-
-        bench_experts(args, bench, result, device, [1, 5] if args.dry_run else tokens)
+        bench_experts(args, eager_ms, graph_ms, result, device, [1, 5] if args.dry_run else tokens)
     else:
         bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms)
-    stem = "fp8_experts.json" if args.experts else "fp8_gemm_sweep.json" if args.sweep else "fp8_gemm.json"
+    stem = "fp8_gemv_sweep.json" if args.gemv_sweep else "fp8_experts.json" if args.experts else "fp8_gemm_sweep.json" if args.sweep else "fp8_gemm.json"
     out = args.out or (os.path.join(tempfile.mkdtemp(), stem) if args.dry_run
                        else os.path.join(ROOT, "benchmarks", "results", stem))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

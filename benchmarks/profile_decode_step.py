@@ -8,6 +8,7 @@ total time, and the ordered kernels of one middle (MoE) layer, so that fusion ca
 
     python benchmarks/profile_decode_step.py --shapes 1x512,1x32768,16x4096 --out profile_decode_step.json
     python benchmarks/profile_decode_step.py --dry-run        # CPU: tiny preset, the replay is eager there
+    python benchmarks/profile_decode_step.py --fp8-weights --fp8-cache --shapes 1x512   # the block-FP8 model's step
 """
 
 import argparse
@@ -49,7 +50,7 @@ def _router_verdicts(model) -> list:
                    for v in plan_of(m, "router").verdicts.values()})
 
 
-def profile_shape(model, batch: int, length: int, replays: int, device: str, layers: int):
+def profile_shape(model, batch: int, length: int, replays: int, device: str, layers: int, cache_dtype=None):
     from torch.profiler import ProfilerActivity, profile
 
     from mla_fuser.cache import PagedLatentCache
@@ -57,7 +58,7 @@ def profile_shape(model, batch: int, length: int, replays: int, device: str, lay
     from mla_fuser.runtime import DecodeGraph
 
     ids = torch.randint(3, 1000, (batch, length), device=device)
-    cache = PagedLatentCache.static_for(model, batch, length + replays + 8)
+    cache = PagedLatentCache.static_for(model, batch, length + replays + 8, dtype=cache_dtype)
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache}).logits[:, -1]
         step = DecodeGraph(model, cache)
@@ -106,19 +107,25 @@ def main():
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--out", default="profile_decode_step.json")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--fp8-weights", action="store_true", help="linears and expert stacks quantised to block FP8 on load")
+    p.add_argument("--fp8-cache", action="store_true", help="a float8 latent cache")
     args = p.parse_args()
-    from mla_fuser.presets import build_preset
+    from mla_fuser.presets import load_for_cli
 
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     preset, dtype = ("deepseek-v2-lite-tiny", torch.float32) if args.dry_run else ("deepseek-v2-lite", torch.bfloat16)
     if args.dry_run:
         args.shapes, args.replays = "1x16", 2
-    model = build_preset(preset, seed=0, dtype=dtype, device=device)
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    model_args = argparse.Namespace(model=None, preset=preset, dtype=names[dtype], device=device, seed=0)
+    model = load_for_cli(model_args, "vllm_mla", fp8_weights=args.fp8_weights)[0]
     layers = model.config.num_hidden_layers
-    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "preset": preset, "runs": []}
+    cache_dtype = torch.float8_e4m3fn if args.fp8_cache else None
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "preset": preset,
+              "fp8_weights": args.fp8_weights, "fp8_cache": args.fp8_cache, "runs": []}
     for shape in args.shapes.split(","):
         batch, length = (int(v) for v in shape.split("x"))
-        row = profile_shape(model, batch, length, args.replays, device, layers)
+        row = profile_shape(model, batch, length, args.replays, device, layers, cache_dtype)
         result["runs"].append(row)
         print(f"{shape}: {row['kernels_per_step']:.0f} kernels/step, rotary {row['rotary_recipes']}, router kernel {row['router_on_kernel']}, "
               f"busy {row.get('kernel_us_per_step', 0):.0f} us, span {row.get('span_us_per_step', 0):.0f} us")

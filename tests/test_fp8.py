@@ -94,6 +94,67 @@ def test_weight_only_half_precision_split_k_is_deterministic(monkeypatch, dtype,
     assert torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=1e-2), (out.float() - ref.float()).abs().max()
 
 
+GEMV = fp8_linear.GEMVConfig
+
+
+@pytest.mark.parametrize("m,n,k,block,config", [
+    (1, 40, 72, (16, 32), GEMV(8, 32)),     # K = 2.25 tiles of 32 (masked), a tile spans one scale column
+    (4, 64, 128, (32, 64), GEMV(16, 128)),  # one tile spans two scale columns, 4 tokens
+    (3, 100, 96, None, GEMV(8, 64)),        # per-tensor scale, N not a multiple of the row tile
+    (2, 48, 64, (12, 16), GEMV(8, 32)),     # bn 12: the row tile is capped to 4 (12's power-of-two divisor)
+    (1, 40, 80, (16, 32), GEMV()),          # default tiles (512 capped to K's power of two, 128)
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_decode_gemv_matches_reference(monkeypatch, m, n, k, block, config, with_bias):
+    """The decode GEMV (scales folded into the activations, K tiles spanning several scale columns or part of one),
+    rows a tile does not fill, bias or not."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(m + n + k)
+    weight, scale = quantize_block_fp8(torch.randn(n, k, generator=gen), block)
+    x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen) if with_bias else None
+    bn, bk = block or (0, 0)
+    out = fp8_linear.w8_gemv_triton(x, weight, scale, bias, bn, bk, config=config)
+    ref = block_fp8_linear_ref(x, weight, scale, bn, bk, bias)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_gemv_half_precision(monkeypatch, dtype):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(5)
+    weight, scale = quantize_block_fp8(torch.randn(48, 256, generator=gen), (16, 32))
+    x, bias = torch.randn(3, 256, generator=gen).to(dtype), torch.randn(48, generator=gen).to(dtype)
+    out = fp8_linear.w8_gemv_triton(x, weight, scale, bias, 16, 32, config=GEMV(8, 128))
+    ref = block_fp8_linear_ref(x, weight, scale, 16, 32, bias)
+    assert out.dtype == dtype
+    assert torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=1e-2), (out.float() - ref.float()).abs().max()
+
+
+def test_decode_sizes_take_the_gemv(monkeypatch):
+    """Up to GEMV_MAX_TOKENS tokens the dispatch runs the GEMV (one launch), above them the split-K weight-only GEMM;
+    a quantisation block whose rows no tile of GEMV_MIN_BLOCK_N divides keeps the GEMM at every size."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+    calls = []
+    for name in ("w8_gemv_triton", "w8_linear_triton"):
+        real = getattr(fp8_linear, name)
+        monkeypatch.setattr(fp8_linear, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    limit = fp8_linear.GEMV_MAX_TOKENS
+    for block, tokens, want in (((16, 16), limit, "w8_gemv_triton"), ((16, 16), limit + 1, "w8_linear_triton"),
+                                ((6, 16), 1, "w8_linear_triton")):
+        weight, scale = quantize_block_fp8(torch.randn(24, 48), block)
+        x = torch.randn(tokens, 48)
+        calls.clear()
+        out = mla_fuser.kernels.fp8.block_fp8_linear(x, weight, scale, block)
+        assert calls == [want], (block, tokens, calls)
+        assert torch.allclose(out, block_fp8_linear_ref(x, weight, scale, *block), atol=1e-5)
+    assert fp8_linear.gemv_block_n(128, 8) == 8 and fp8_linear.gemv_block_n(0, 8) == 8
+    assert fp8_linear.gemv_block_n(12, 8) == 4 and fp8_linear.gemv_block_n(6, 8) == 0
+    with pytest.raises(ValueError, match="no GEMV row tile"):
+        fp8_linear.gemv_plan(1, 24, 48, 6, False)
+
+
 def test_launch_plans_from_the_tables(monkeypatch, request):
     """Default tiles come from the tables by token count (``block_k`` capped to the quantisation block's
     power-of-two divisor), split-K fills the SMs without a split shorter than two K tiles or past K, and a plan

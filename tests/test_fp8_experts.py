@@ -79,6 +79,62 @@ def test_fp8_kernel_matches_reference(monkeypatch, path, dtype, inter, block, ha
     _close(out, ref, dtype)
 
 
+GEMV_TILES = {"fp8_gemv1": dict(BLOCK_N=8, BLOCK_K=32), "fp8_gemv2": dict(BLOCK_N=8, BLOCK_K=16)}
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("inter,block,halves", [(32, (16, 16), True), (24, (16, 16), False), (24, (8, 16), True),
+                                                (40, (32, 16), True)])
+@pytest.mark.parametrize("tiles", ["tiny", "default"])
+def test_decode_gemvs_match_reference(monkeypatch, dtype, tokens, inter, block, halves, tiles):
+    """The decode path (two GEMV launches): both gate/up scale layouts (24 rows whole: the up half starts mid-block,
+    so the row tile is capped to 8), K tiles spanning several scale columns or part of one, K and the rows not
+    multiples of the tiles (48 = 1.5 tiles of 32; 40 = 5 row tiles of 8), a sentinel id."""
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    num_experts, hidden, topk = 5, 48, 3
+    stacks, layout = _stacks(num_experts, hidden, inter, block, halves)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    ids = torch.randint(0, num_experts, (tokens, topk), generator=gen)
+    ids[0, 1] = num_experts  # an expert-parallel sentinel: contributes nothing
+    w = torch.rand(tokens, topk, generator=gen)
+    calls = []
+    real = fp8_launch.launch_w8_gemvs
+    monkeypatch.setattr(fp8_launch, "launch_w8_gemvs", lambda **k: calls.append(k["block_n"]) or real(**k))
+    ref = fm.fused_experts_fp8_ref(x, *stacks, ids, w, **layout)
+    dev = [t.to(DEVICE) for t in (x, *stacks, ids, w)]
+    out = fm.fused_experts_fp8_triton(*dev, config=GEMV_TILES if tiles == "tiny" else None, **layout).cpu()
+    assert calls == [8]
+    _close(out, ref, dtype)
+
+
+@needs_triton
+def test_decode_gemvs_step_aside_when_no_row_tile_fits(monkeypatch):
+    """A layout no row tile of GEMV_MIN_BLOCK_N fits (the up half starting 2 rows into a block) and calls above
+    GEMV_DOWN_MAX_TOKENS tokens run the small path's GEMMs, still right."""
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    real = fp8_launch.launch_w8_gemvs
+    monkeypatch.setattr(fp8_launch, "launch_w8_gemvs", lambda **k: calls.append(1) or real(**k))
+    assert fp8_launch.gemv_block_n(8, (16, 16), (16, 16), 26) == 0
+    assert fp8_launch.gemv_block_n(8, (16, 16), (16, 16), 24) == 8
+    assert fp8_launch.gemv_block_n(8, (4, 16), (16, 16), 0) == 4
+    for inter, tokens in ((26, 1), (32, fm.launch.GEMV_DOWN_MAX_TOKENS + 1)):
+        stacks, layout = _stacks(4, 32, inter, (16, 16), False)
+        gen = torch.Generator().manual_seed(inter)
+        x, ids, w = torch.randn(tokens, 32, generator=gen), torch.randint(0, 4, (tokens, 2), generator=gen), \
+            torch.rand(tokens, 2, generator=gen)
+        ref = fm.fused_experts_fp8_ref(x, *stacks, ids, w, **layout)
+        out = fm.fused_experts_fp8_triton(*[t.to(DEVICE) for t in (x, *stacks, ids, w)], path="small", config=TINY,
+                                          **layout).cpu()
+        _close(out, ref, torch.float32)
+    assert calls == []
+
+
 def test_reference_equals_dequantised_bf16_style_reference():
     """The FP8 reference is the fp32 reference on the dequantised stacks (halves and whole layouts)."""
     for inter, halves in ((24, True), (24, False)):

@@ -1,7 +1,10 @@
 """``block_fp8_linear``: ``y = x @ dequant(W)^T + b`` for a block-FP8 weight, on our own kernels (no Hub download).
 
-Two Triton paths (:mod:`.triton_kernels`), chosen by the number of tokens:
+Three Triton paths (:mod:`.triton_kernels`), chosen by the number of tokens:
 
+* up to ``GEMV_MAX_TOKENS`` tokens (decode), the **GEMV**: weight-only, one launch for the whole of K, the block scales
+  folded into the activations (``w8_gemv_kernel``; it needs a power-of-two tile of at least ``GEMV_MIN_BLOCK_N``
+  rows dividing the quantisation block's ``bn``, else the next path runs);
 * up to ``FP8_TENSOR_CORE_MIN_TOKENS - 1`` tokens, **weight-only**: activations stay in their dtype, weights are
   widened in the kernel.  Decode GEMMs are bound by reading the weights, which FP8 halves; keeping activations
   unquantised also makes this path the more accurate one;
@@ -31,11 +34,17 @@ import torch.nn.functional as F
 from ..dispatch import cdiv, kernel_op, next_pow2, triton_interpreting, use_triton
 from .format import FP8_DTYPE, FP8_MAX
 from .quant import dequantize_block_fp8, dequantize_token_groups, quantize_token_groups_ref
-from .triton_kernels import act_quant_kernel, fp8_gemm_kernel, splitk_reduce_kernel, w8_gemm_kernel
+from .triton_kernels import act_quant_kernel, fp8_gemm_kernel, splitk_reduce_kernel, w8_gemm_kernel, w8_gemv_kernel
 
 # tokens from which the FP8 tensor-core path runs (benchmarks/bench_fp8_gemm.py measures both paths at every size)
 FP8_TENSOR_CORE_MIN_TOKENS = 128
-WEIGHT_ONLY, TENSOR_CORE = "weight_only", "fp8_tensor_core"
+# up to this many tokens the GEMV runs.  It reads the weight once per token, so it pays at one token only: on an H200
+# (``fp8_gemm_decode.json``, CUDA-graph timing) at 1 token it beat the split-K weight-only GEMM on every V2-Lite and
+# V3 shape measured (q_proj 5.8 vs 8.4 us, V3 down 60 vs 63 us), at 4 tokens it lost on most (q_proj 9.4 vs 8.4,
+# V3 down 132 vs 63: the weight re-read from HBM where it outgrows L2)
+GEMV_MAX_TOKENS = 1
+GEMV_MIN_BLOCK_N = 4
+GEMV, WEIGHT_ONLY, TENSOR_CORE = "gemv", "weight_only", "fp8_tensor_core"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _PER_TENSOR = 1 << 30  # "block" size that puts every element in block 0 (a per-tensor scale)
 _TINY_SCALE = 1e-12
@@ -80,9 +89,20 @@ def _has_fp8_tensor_cores(x: torch.Tensor) -> bool:
     return triton_interpreting()
 
 
+def gemv_block_n(block_n: int, wanted: int) -> int:
+    """The GEMV's row tile: ``wanted`` capped to the largest power of two dividing the quantisation block's ``bn``
+    (any, for a per-tensor scale: ``block_n`` 0), so that a tile's rows share one scale row; 0 when that is below
+    ``GEMV_MIN_BLOCK_N`` (the GEMV is not taken)."""
+    tile = wanted if block_n <= 0 else _pow2_divisor(block_n, wanted)
+    return tile if tile >= GEMV_MIN_BLOCK_N else 0
+
+
 def choose_path(tokens: int, x: torch.Tensor, block_n: int, block_k: int) -> str:
-    """Weight-only for few tokens; FP8 tensor cores for many, when the weight is block-quantised in K blocks the
-    kernel's 64/128-wide K tiles divide, and the GPU has FP8 tensor cores."""
+    """The GEMV for decode-sized calls (when its row tile fits the scale blocks); weight-only for few tokens; FP8
+    tensor cores for many, when the weight is block-quantised in K blocks the kernel's 64/128-wide K tiles divide,
+    and the GPU has FP8 tensor cores."""
+    if tokens <= GEMV_MAX_TOKENS and gemv_block_n(block_n, GEMV_CONFIG.block_n):
+        return GEMV
     if tokens < FP8_TENSOR_CORE_MIN_TOKENS or block_n <= 0 or block_k % 64 != 0:
         return WEIGHT_ONLY
     return TENSOR_CORE if _has_fp8_tensor_cores(x) else WEIGHT_ONLY
@@ -139,6 +159,21 @@ TC_CONFIGS: tuple[tuple[int | None, int | None, TCConfig], ...] = (
     (512, None, TCConfig(64, 128, 128, group_m=8, warps=4, stages=4)),
     (None, None, TCConfig(128, 128, 128, group_m=8, warps=8, stages=3)),
 )
+
+
+class GEMVConfig(NamedTuple):
+    """The decode GEMV's launch: ``block_n`` weight rows (capped by :func:`gemv_block_n`) by ``block_k`` columns per
+    step (capped to K's power of two), Triton's ``warps``/``stages``.  The defaults won ``bench_fp8_gemm.py
+    --gemv-sweep`` on an H200 at one token (``fp8_gemv_sweep.json``): geometric mean 1.03x of each shape's own best
+    tile over seven V2-Lite and V3 shapes, worst 1.07x."""
+
+    block_n: int = 8
+    block_k: int = 1024
+    warps: int = 4
+    stages: int = 2
+
+
+GEMV_CONFIG = GEMVConfig()
 # split-K: at most this many splits, each at least this many K tiles (a split shorter than the pipeline's depth
 # is mostly prologue)
 MAX_SPLITS, MIN_K_TILES_PER_SPLIT = 16, 2
@@ -240,6 +275,46 @@ def w8_linear_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_
     return out
 
 
+class GEMVPlan(NamedTuple):
+    grid: tuple[int, int]
+    meta: dict
+
+
+@functools.lru_cache(maxsize=1024)
+def gemv_plan(m: int, n: int, k: int, block_n: int, has_bias: bool, config: GEMVConfig = GEMV_CONFIG) -> GEMVPlan:
+    """The decode GEMV's launch for one shape (cached like :func:`w8_plan`)."""
+    bn = gemv_block_n(block_n, config.block_n)
+    if not bn:
+        raise ValueError(f"no GEMV row tile of at least {GEMV_MIN_BLOCK_N} divides the quantisation block {block_n}")
+    bk = min(config.block_k, next_pow2(k))
+    meta = dict(HAS_BIAS=has_bias, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=config.warps,
+                num_stages=config.stages)
+    return GEMVPlan((m, cdiv(n, bn)), meta)
+
+
+def w8_gemv_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_k: int,
+                   config: GEMVConfig = GEMV_CONFIG, warmup: bool = False) -> torch.Tensor:
+    """The decode GEMV on ``x2 [M, K]`` (``w8_gemv_kernel``): one launch; ``config`` overrides the tiles (benchmark
+    sweeps); ``warmup`` compiles without launching."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    if not (m and n and k):
+        return block_fp8_linear_ref(x2, weight, scale, block_n, block_k, bias)
+    plan = gemv_plan(m, n, k, block_n, bias is not None, config)
+    qbn, qbk = (block_n, block_k) if block_n > 0 else (_PER_TENSOR, _PER_TENSOR)
+    scale2 = scale.reshape(1, 1) if scale.ndim == 0 else scale
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    _launcher(w8_gemv_kernel, plan.grid, warmup)(
+        x2, weight, scale2, bias if bias is not None else scale2, out,
+        n, k,
+        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), scale2.stride(0), scale2.stride(1),
+        out.stride(0),
+        qbn, qbk,
+        **plan.meta,
+    )
+    return out
+
+
 def quantize_token_groups(x2: torch.Tensor, group: int):
     """Triton per-token-group activation quantisation (``quantize_token_groups_ref``'s twin).  The scales come
     back as ``[M, groups]`` but are stored group-major (a transposed view): the GEMM reads a tile's rows' scales
@@ -314,7 +389,10 @@ def _linear_impl(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if choose_path(x2.shape[0], x, block_n, block_k) == TENSOR_CORE:
+    path = choose_path(x2.shape[0], x, block_n, block_k)
+    if path == GEMV:
+        out = w8_gemv_triton(x2, weight, scale, bias, block_n, block_k)
+    elif path == TENSOR_CORE:
         out = fp8_linear_triton(x2, weight, scale, bias, block_n, block_k)
     else:
         out = w8_linear_triton(x2, weight, scale, bias, block_n, block_k)

@@ -11,6 +11,9 @@ block's ``bk``, so one K tile lies in one scale column).  Split-K over ``grid[2]
 ``splitk_reduce_kernel`` adds them in split order (deterministic, no atomics), adds the bias and casts: one extra
 small launch instead of torch's sum, add and cast.
 
+``w8_gemv_kernel`` (the decode path, up to ``linear.GEMV_MAX_TOKENS`` tokens): one launch per GEMM, the scales folded
+into the activations (see its docstring); it needs ``BLOCK_N`` to divide the quantisation block's ``bn``.
+
 ``act_quant_kernel`` + ``fp8_gemm_kernel`` (the large-batch path): the activations are quantised per token and
 ``bk`` features (dynamic max-abs scaling, like DeepSeek's inference code), then both operands go to the FP8 tensor
 cores and each K tile's product is scaled by ``x_scale[m] * w_scale[n]`` (one fused multiply-add per accumulator
@@ -80,6 +83,46 @@ def w8_gemm_kernel(
         acc += tl.load(bias_ptr + tl.minimum(cols, N - 1)).to(tl.float32)[None, :]
     out = out_ptr + pid_s * stride_os + rows[:, None] * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@LazyJit
+def w8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
+    N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_om,
+    QBN, QBK,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The decode GEMV (one to a few tokens): ``out[m, cols] = x[m] @ dequant(W[cols])^T``, one program per (token,
+    ``BLOCK_N`` rows), the whole of K in one launch (no split, no reduction launch).
+
+    ``BLOCK_N`` divides ``QBN``, so a tile's rows share one scale row: the scales then vary along K only and are
+    folded into the activation vector (``x[k] * s[k // QBK]``, ``BLOCK_K`` values) instead of the weight tile, which
+    lets ``BLOCK_K`` span several quantisation blocks (long, coalesced rows of e4m3).  The fp32 ``[BLOCK_N,
+    BLOCK_K]`` products accumulate elementwise and are summed once at the end."""
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    s_row = s_ptr + (tl.program_id(1) * BLOCK_N // QBN) * stride_sn
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_row + offs_k * stride_xk).to(tl.float32)
+            scale = tl.load(s_row + (offs_k // QBK) * stride_sk)
+            w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < K
+            x = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+            scale = tl.load(s_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
+            w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * (x * scale)[None, :]
+    out = tl.reduce(acc, 1, SUM_COMBINE)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @LazyJit

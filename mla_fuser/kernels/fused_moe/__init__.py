@@ -55,7 +55,8 @@ reference :func:`route_topk_ref` and the config helpers.
 
 Block-FP8 experts (e4m3 stacks with fp32 scales per expert and block, as DeepSeek-format checkpoints ship them):
 :func:`fused_experts_fp8` (custom op ``mla_fuser::fused_experts_fp8``), the same paths with a weight-only
-dequantising GEMM (:mod:`.fp8_kernels`, launched from :mod:`.fp8_launch`) and the torch reference
+dequantising GEMM (:mod:`.fp8_kernels`, launched from :mod:`.fp8_launch`), up to ``GEMV_DOWN_MAX_TOKENS`` tokens two
+GEMVs (gate/up + activation, down + routing weights + combine) instead, and the torch reference
 :func:`fused_experts_fp8_ref` (:mod:`.fp8_reference`).
 """
 

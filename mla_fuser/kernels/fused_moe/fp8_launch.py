@@ -21,11 +21,18 @@ from ..dispatch import cdiv, kernel_op, next_pow2, on_tensor_device, triton_inte
 from .configs import get_moe_config
 from .fp8_kernels import moe_w8_gemm_kernel
 from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
-from .launch import _choose_path, align_tokens_to_experts
+from .fp8_kernels import moe_w8_down_gemv_kernel, moe_w8_up_gemv_kernel
+from .launch import _choose_path, align_tokens_to_experts, gemv_down_max_tokens
 from .reference import activation_code
 from .triton_kernels import moe_combine_kernel
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# the decode GEMVs' tiles (``config`` keys "fp8_gemv1" / "fp8_gemv2" override them): rows by K columns per step.  On
+# an H200 (``bench_fp8_gemm.py --gemv-sweep``, one V2-Lite MoE layer at 1 and 4 tokens) 1.01x of the best tile of each
+# size; the two GEMVs take 28.5 us at one token against 47 us for the small path's GEMMs + combine and 37.5 us for
+# bf16 ``fused_experts`` (``fp8_experts_decode.json``)
+FP8_GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=2)
+GEMV_MIN_BLOCK_N = 4
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -35,6 +42,47 @@ def _pow2_divisor(n: int, cap: int) -> int:
 def triton_supported(hidden: torch.Tensor, gate_up_block, down_block) -> bool:
     """The kernel takes fp16/bf16/fp32 activations and K blocks with a power-of-two divisor >= 16 (``tl.dot``)."""
     return hidden.dtype in KERNEL_DTYPES and all(_pow2_divisor(b[1], 128) >= 16 for b in (gate_up_block, down_block))
+
+
+def gemv_block_n(wanted: int, gate_up_block, down_block, up_row_shift: int) -> int:
+    """The decode GEMVs' row tile: ``wanted`` capped so that it divides both stacks' scale-block rows and the up
+    half's row shift (a tile then lies in one scale row); 0 below ``GEMV_MIN_BLOCK_N`` (the GEMVs are not taken)."""
+    tile = _pow2_divisor(gate_up_block[0], _pow2_divisor(down_block[0], wanted))
+    if up_row_shift:
+        tile = _pow2_divisor(up_row_shift, tile)
+    return tile if tile >= GEMV_MIN_BLOCK_N else 0
+
+
+def launch_w8_gemvs(*, x, gate_up_w, gate_up_scale, down_w, down_scale, flat_ids, routing, out, topk, act,
+                    gate_up_block, down_block, up_scale_base, up_row_shift, block_n, gemv1, gemv2, num_experts):
+    """The decode path: GEMM1 + activation as one GEMV launch into ``[pairs, I]``, GEMM2 + routing weights + combine
+    as another into ``out``."""
+    num_tokens, hidden = x.shape
+    inter = down_w.shape[2]
+    num_pairs = flat_ids.numel()
+    inter_buf = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    bk1 = min(gemv1["BLOCK_K"], next_pow2(hidden))
+    moe_w8_up_gemv_kernel[(num_pairs, cdiv(inter, block_n))](
+        x, gate_up_w, gate_up_scale, inter_buf, flat_ids,
+        inter, hidden, num_experts,
+        x.stride(0), x.stride(1), gate_up_w.stride(0), gate_up_w.stride(1), gate_up_w.stride(2),
+        gate_up_scale.stride(0), gate_up_scale.stride(1), gate_up_scale.stride(2),
+        inter_buf.stride(0), inter_buf.stride(1),
+        gate_up_block[0], gate_up_block[1], up_scale_base, up_row_shift,
+        TOPK=topk, ACT=act, BLOCK_N=block_n, BLOCK_K=bk1,
+        num_warps=gemv1.get("num_warps", 4), num_stages=gemv1.get("num_stages", 2),
+    )  # fmt: skip
+    bk2 = min(gemv2["BLOCK_K"], next_pow2(inter))
+    moe_w8_down_gemv_kernel[(num_tokens, cdiv(hidden, block_n))](
+        inter_buf, down_w, down_scale, out, flat_ids, routing,
+        hidden, inter, num_experts,
+        inter_buf.stride(0), inter_buf.stride(1), down_w.stride(0), down_w.stride(1), down_w.stride(2),
+        down_scale.stride(0), down_scale.stride(1), down_scale.stride(2), out.stride(0), out.stride(1),
+        down_block[0], down_block[1],
+        TOPK=topk, BLOCK_N=block_n, BLOCK_K=bk2,
+        num_warps=gemv2.get("num_warps", 4), num_stages=gemv2.get("num_stages", 2),
+    )  # fmt: skip
+    return out
 
 
 def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out, k_dim, a_row_div, gated, act,
@@ -66,9 +114,10 @@ def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out
 
 def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights, *,
                              gate_up_block, down_block, up_scale_base=0, up_row_shift=None, activation="silu",
-                             path="auto", config: Optional[dict] = None) -> torch.Tensor:
+                             path="auto", config: Optional[dict] = None, decode_gemv: bool = True) -> torch.Tensor:
     """The Triton implementation (no dispatch); arguments as :func:`fused_experts_fp8`, ``config`` as the bf16
-    op's (``{"gemm1": {...}, "gemm2": {...}}``)."""
+    op's (``{"gemm1": {...}, "gemm2": {...}}``, plus ``"fp8_gemv1"`` / ``"fp8_gemv2"`` for the decode GEMVs);
+    ``decode_gemv`` False keeps the small path's GEMMs at decode sizes too (tests, benchmarks)."""
     num_tokens, hidden_size, num_experts, inter, topk = check_fp8_shapes(
         hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights
     )
@@ -82,6 +131,17 @@ def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scal
     x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()
     routing = topk_weights.reshape(-1).contiguous()
+    shift = inter if up_row_shift is None else up_row_shift
+    if decode_gemv and path == "small" and num_tokens <= gemv_down_max_tokens():
+        gemv1, gemv2 = cfg.get("fp8_gemv1", FP8_GEMV_CONFIG), cfg.get("fp8_gemv2", FP8_GEMV_CONFIG)
+        block_n = gemv_block_n(min(gemv1["BLOCK_N"], gemv2["BLOCK_N"]), gate_up_block, down_block, shift)
+        if block_n:
+            return launch_w8_gemvs(
+                x=x, gate_up_w=gate_up_w, gate_up_scale=gate_up_scale, down_w=down_w, down_scale=down_scale,
+                flat_ids=flat_ids, routing=routing, out=out, topk=topk, act=act, gate_up_block=gate_up_block,
+                down_block=down_block, up_scale_base=up_scale_base, up_row_shift=shift, block_n=block_n,
+                gemv1=gemv1, gemv2=gemv2, num_experts=num_experts,
+            )  # fmt: skip
     align = None
     if path == "aligned":
         block_m = cfg["gemm1"]["BLOCK_M"]
@@ -92,7 +152,7 @@ def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scal
     inter_buf = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     launch_w8_gemm(a=x, w=gate_up_w, scale=gate_up_scale, c=inter_buf, routing=None, n_out=inter, k_dim=hidden_size,
                    a_row_div=topk, gated=True, block=gate_up_block, cfg=cfg["gemm1"], up_scale_base=up_scale_base,
-                   up_row_shift=inter if up_row_shift is None else up_row_shift, **common)
+                   up_row_shift=shift, **common)
     pair_out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     launch_w8_gemm(a=inter_buf, w=down_w, scale=down_scale, c=pair_out, routing=routing, n_out=hidden_size,
                    k_dim=inter, a_row_div=1, gated=False, block=down_block, cfg=cfg["gemm2"], **common)
