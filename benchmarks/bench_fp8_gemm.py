@@ -34,7 +34,7 @@ first, so the whole sweep is one GPU call of a few minutes:
 
 ``--experts`` runs the block-FP8 experts instead (``fused_experts_fp8``, :mod:`mla_fuser.kernels.fused_moe`): the
 grouped GEMMs of one MoE layer at DeepSeek-V2-Lite's expert shapes (64 experts, hidden 2048, moe_intermediate 1408,
-top-6 of random router scores), T in {1, 4, 16, 64, 512, 8192} tokens, 128x128 block scales per expert, against bf16
+top-6 of random router scores), T in {1, 4, 16, 64, 512, 8192} tokens (``path`` / ``fp8_path``: what "auto" picks), 128x128 block scales per expert, against bf16
 ``fused_experts`` on the same weights in the same run (and, at decode sizes, FP8 without its decode GEMVs:
 ``fp8_gemms``): the speed-up, the bytes of the experts the tokens picked over the time (``*_weight_GBps``, and as a
 fraction of the copy bandwidth), and the error against ``fused_experts_fp8_ref`` (fp32 on the dequantised weights).
@@ -85,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=int, default=50, help="do_bench rep (ms)")
     p.add_argument("--experts", action="store_true", help="FP8 vs bf16 fused MoE experts at V2-Lite shapes instead")
     p.add_argument("--sweep", action="store_true", help="time a config grid per (shape, T) and suggest the tables")
+    p.add_argument("--experts-sweep", action="store_true",
+                   help="time the FP8 experts' small-path GEMM tiles (and the aligned path) at 8 and 16 tokens")
     p.add_argument("--gemv-sweep", action="store_true",
                    help="time the decode GEMVs' tiles (linear: V2-Lite/V3 shapes; experts: V2-Lite) at T <= 4")
     p.add_argument("--sweep-shapes", default=",".join(SWEEP_SHAPES))
@@ -106,6 +108,7 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
     from mla_fuser.kernels.fp8.experts import quantize_expert_stack
     from mla_fuser.kernels.fused_moe import (fused_experts, fused_experts_fp8, fused_experts_fp8_ref,
                                              fused_experts_fp8_triton, fused_experts_triton)
+    from mla_fuser.kernels.fused_moe.fp8_launch import choose_fp8_path
     from mla_fuser.kernels.fused_moe.launch import _choose_path, gemv_down_max_tokens
 
     shape = TINY_EXPERTS if args.dry_run else EXPERTS
@@ -137,7 +140,8 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
         if t <= gemv_down_max_tokens():
             variants["fp8_gemms"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
                                                                        decode_gemv=False)
-        row = {"tokens": t, "experts_picked": picked, "path": _choose_path("auto", t, t * k)}
+        row = {"tokens": t, "experts_picked": picked, "path": _choose_path("auto", t, t * k),
+               "fp8_path": choose_fp8_path("auto", t, t * k)}
         for label, fn in variants.items():
             try:
                 out = fn(0).float()
@@ -520,6 +524,54 @@ def run_gemv_sweep(args, result, device, graph_ms, tokens):
     print("best overall:", json.dumps(overall), flush=True)
 
 
+EXPERTS_SWEEP = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=st)
+                 for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8) for st in (3, 4, 5)]
+
+
+def run_experts_sweep(args, result, device, graph_ms, tokens):
+    """``--experts-sweep``: the FP8 experts of one V2-Lite MoE layer at decode batch sizes above the GEMVs' (8, 16
+    tokens): every ``EXPERTS_SWEEP`` tile for both GEMMs of the small path, and the aligned path with its default
+    tiles, GPU time as ``--experts``; the best tile per size."""
+    import torch
+    from mla_fuser.kernels.fp8.experts import quantize_expert_stack
+    from mla_fuser.kernels.fused_moe import fused_experts_fp8_ref, fused_experts_fp8_triton
+
+    shape = TINY_EXPERTS if args.dry_run else EXPERTS
+    e, h, i, topk = shape["num_experts"], shape["hidden"], shape["inter"], shape["topk"]
+    block = (16, 16) if args.dry_run else (128, 128)
+    grid = [dict(c, BLOCK_K=16) for c in EXPERTS_SWEEP[:2]] if args.dry_run else EXPERTS_SWEEP
+    gen = torch.Generator(device=device).manual_seed(0)
+    q1, s1 = quantize_expert_stack(torch.randn(e, 2 * i, h, device=device, generator=gen) * 0.02, block,
+                                   rows=2 * -(-i // block[0]))
+    q2, s2 = quantize_expert_stack(torch.randn(e, h, i, device=device, generator=gen) * 0.02, block)
+    layout = dict(gate_up_block=block, down_block=block, up_scale_base=s1.shape[1] // 2, up_row_shift=0)
+    timer = graph_ms if device == "cuda" else (lambda fn, copies, calls, rep: 0.0)
+    records = []
+    for t in tokens:
+        x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16)
+        routes = []
+        for _ in range(ROUTINGS):
+            w, ids = torch.rand(t, e, device=device, generator=gen).topk(topk, dim=-1)
+            routes.append((ids, w / w.sum(-1, keepdim=True)))
+        ref = fused_experts_fp8_ref(x, q1, s1, q2, s2, *routes[0], **layout).float()
+        runs = [("small", cfg, {"gemm1": cfg, "gemm2": cfg}) for cfg in grid] + [("aligned", None, None)]
+        for path, cfg, conf in runs:
+            fn = (lambda j, p=path, c=conf: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[j], **layout, path=p,
+                                                                     config=c))
+            err = float((fn(0).float() - ref).abs().max() / ref.abs().max())
+            records.append(dict(tokens=t, path=path, **(cfg or {}), rel_err=err,
+                                ms=timer(fn, ROUTINGS, ROUTINGS, args.sweep_rep)))
+    best = {}
+    for r in records:
+        if r["rel_err"] < MAX_REL_ERR["weight_only"] and (r["tokens"] not in best or r["ms"] < best[r["tokens"]]["ms"]):
+            best[r["tokens"]] = r
+    result["experts_sweep"] = dict(records=records, best=list(best.values()))
+    for r in records:
+        if r["path"] == "aligned" or r is best.get(r["tokens"]) or (r.get("BLOCK_N"), r.get("BLOCK_K"), r.get(
+                "num_warps"), r.get("num_stages")) == (32, 128, 4, 4):
+            print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+
+
 def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
     """The default section: each variant at each (shape, T), GPU and eager times."""
     import torch
@@ -611,7 +663,9 @@ def main(argv=None):
         result["copy_GBps"] = 2 * src.numel() / ms / 1e6
         del src, dst
         print(f"copy bandwidth {result['copy_GBps']:.0f} GB/s", flush=True)
-    if args.gemv_sweep:
+    if args.experts_sweep:
+        run_experts_sweep(args, result, device, graph_ms, [3] if args.dry_run else [8, 16])
+    elif args.gemv_sweep:
         run_gemv_sweep(args, result, device, graph_ms, [1, 3] if args.dry_run else [1, 4])
     elif args.sweep:
         run_sweep(args, result, device, eager_ms, graph_ms, lambda msg: print(msg, flush=True))
@@ -619,7 +673,7 @@ def main(argv=None):
         bench_experts(args, eager_ms, graph_ms, result, device, [1, 5] if args.dry_run else tokens)
     else:
         bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms)
-    stem = "fp8_gemv_sweep.json" if args.gemv_sweep else "fp8_experts.json" if args.experts else "fp8_gemm_sweep.json" if args.sweep else "fp8_gemm.json"
+    stem = "fp8_experts_sweep.json" if args.experts_sweep else "fp8_gemv_sweep.json" if args.gemv_sweep else "fp8_experts.json" if args.experts else "fp8_gemm_sweep.json" if args.sweep else "fp8_gemm.json"
     out = args.out or (os.path.join(tempfile.mkdtemp(), stem) if args.dry_run
                        else os.path.join(ROOT, "benchmarks", "results", stem))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

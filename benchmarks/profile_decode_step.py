@@ -107,7 +107,8 @@ def main():
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--out", default="profile_decode_step.json")
     p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--fp8-weights", action="store_true", help="linears and expert stacks quantised to block FP8 on load")
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="linears and expert stacks quantised to block FP8 on load")
     p.add_argument("--fp8-cache", action="store_true", help="a float8 latent cache")
     args = p.parse_args()
     from mla_fuser.presets import load_for_cli

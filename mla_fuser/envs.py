@@ -42,9 +42,11 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "`0` makes `generate()` of a fused model run its decode steps eagerly instead of replaying them "
              "from a CUDA graph"),
     Variable("MLA_FUSER_MOE_SMALL_BATCH_TOKENS", "int", None,
-             "tokens up to which the fused MoE kernel takes its small-batch (expert-grouped) path"),
+             "tokens up to which the fused MoE kernel takes its small-batch (expert-grouped) path (default 16; 4 for "
+             "block-FP8 experts)"),
     Variable("MLA_FUSER_MOE_GEMV_TOKENS", "int", None,
-             "tokens up to which the small-batch MoE path fuses the down projection with the top-k sum"),
+             "tokens up to which the small-batch MoE path fuses the down projection with the top-k sum (default 4; "
+             "block-FP8 experts then run both projections as GEMVs)"),
     Variable("MLA_FUSER_MOE_CONFIGS", "path", None,
              "JSON of tuned MoE tiles (the `best_configs` format `benchmarks/bench_fused_moe.py` writes)"),
     Variable("MLA_FUSER_DECODE_TILES", "path", None,

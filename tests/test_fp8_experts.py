@@ -135,6 +135,20 @@ def test_decode_gemvs_step_aside_when_no_row_tile_fits(monkeypatch):
     assert calls == []
 
 
+def test_fp8_auto_path_by_tokens(monkeypatch):
+    """FP8 "auto": the small path (its decode GEMVs) up to FP8_SMALL_BATCH_MAX_TOKENS tokens, the aligned path above
+    (the bf16 op keeps the small path to 16); the token variable moves both; an explicit path is kept."""
+    limit = fp8_launch.FP8_SMALL_BATCH_MAX_TOKENS
+    assert fp8_launch.choose_fp8_path("auto", limit, limit * 6) == "small"
+    assert fp8_launch.choose_fp8_path("auto", limit + 1, (limit + 1) * 6) == "aligned"
+    assert fm.launch._choose_path("auto", limit + 1, (limit + 1) * 6) == "small"
+    assert fp8_launch.choose_fp8_path("small", 16, 96) == "small"
+    monkeypatch.setenv("MLA_FUSER_MOE_SMALL_BATCH_TOKENS", "16")
+    assert fp8_launch.choose_fp8_path("auto", 16, 96) == "small"
+    with pytest.raises(ValueError, match="path must be"):
+        fp8_launch.choose_fp8_path("fast", 1, 6)
+
+
 def test_reference_equals_dequantised_bf16_style_reference():
     """The FP8 reference is the fp32 reference on the dequantised stacks (halves and whole layouts)."""
     for inter, halves in ((24, True), (24, False)):

@@ -31,8 +31,9 @@ Two Triton paths, chosen by token count (``path="auto"``):
   rarely share experts there, so reading down weights per token costs nothing extra).  Why the small path
   at all: measured on an H200, one DeepSeek-V2-Lite layer at 1 token takes ~0.047 ms of GPU time but
   eager calls are host-bound (tens of us per launch/op on that host), so launches are what it saves
-  (0.071 ms eager vs 0.148 for the aligned path at 1 token; equal at 16 tokens, hence the threshold).
-  Under CUDA-graph capture, where launches are free, "auto" uses the aligned path above 4 tokens.
+  (0.071 ms eager vs 0.148 for the aligned path at 1 token; equal at 16 tokens, hence the threshold).  The
+  choice depends on shapes only, also under CUDA-graph capture (a captured step runs the kernels its eager
+  warm-up compiled).  The block-FP8 op leaves the small path above 4 tokens (``fp8_launch``: measured by GPU time).
 * **aligned / prefill**: the classic grouped GEMM.  ``align_tokens_to_experts`` (one Triton launch, no
   sort) lists the (token, k) pairs grouped by expert, each expert's group padded to a multiple of
   ``BLOCK_M`` so every ``BLOCK_M`` tile belongs to one expert; GEMM1 then runs one program per

@@ -1,7 +1,7 @@
 """``fused_experts_fp8``: the fused MoE experts forward on block-FP8 expert stacks (a custom op), and its launches.
 
 The bf16 op's paths (:mod:`.launch`) with :func:`~.fp8_kernels.moe_w8_gemm_kernel` for both GEMMs: the same path
-choice by token count (small-batch grid per expert up to ``SMALL_BATCH_MAX_TOKENS`` tokens, aligned grouped GEMM
+choice by token count (small-batch grid per expert up to ``FP8_SMALL_BATCH_MAX_TOKENS`` tokens, aligned grouped GEMM
 above), the same alignment and K-sum kernels, the same tiles except that ``BLOCK_K`` is capped by the quantisation
 block's ``bk`` (one scale column per K tile).  Not (yet) here: the small path's fused down-projection GEMV (the bf16
 op's 2-launch decode path up to ``GEMV_DOWN_MAX_TOKENS`` tokens) -- FP8 runs GEMM2 + combine at every size -- and
@@ -22,7 +22,8 @@ from .configs import get_moe_config
 from .fp8_kernels import moe_w8_gemm_kernel
 from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
 from .fp8_kernels import moe_w8_down_gemv_kernel, moe_w8_up_gemv_kernel
-from .launch import _choose_path, align_tokens_to_experts, gemv_down_max_tokens
+from ... import envs
+from .launch import SMALL_BATCH_MAX_PAIRS, _choose_path, align_tokens_to_experts, gemv_down_max_tokens
 from .reference import activation_code
 from .triton_kernels import moe_combine_kernel
 
@@ -33,6 +34,11 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # bf16 ``fused_experts`` (``fp8_experts_decode.json``)
 FP8_GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=2)
 GEMV_MIN_BLOCK_N = 4
+# "auto" runs the small path up to this many tokens (the bf16 op: ``launch.SMALL_BATCH_MAX_TOKENS``, 16), the aligned
+# path above; ``MLA_FUSER_MOE_SMALL_BATCH_TOKENS`` overrides both.  On an H200 (``bench_fp8_gemm.py --experts-sweep``,
+# CUDA-graph timing, one V2-Lite layer) the aligned path beat every small-path tile at 8 and 16 tokens: 125 vs 138 us
+# and 173 vs 190 us; below 5 tokens the decode GEMVs run
+FP8_SMALL_BATCH_MAX_TOKENS = 4
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -85,6 +91,16 @@ def launch_w8_gemvs(*, x, gate_up_w, gate_up_scale, down_w, down_scale, flat_ids
     return out
 
 
+def choose_fp8_path(path: str, num_tokens: int, num_pairs: int) -> str:
+    """``path`` as the bf16 op's ``_choose_path``, except that "auto" leaves the small path at
+    ``FP8_SMALL_BATCH_MAX_TOKENS`` tokens.  Shapes only, never whether a graph is being captured."""
+    if path == "auto":
+        small = (num_tokens <= envs.moe_small_batch_tokens(FP8_SMALL_BATCH_MAX_TOKENS)
+                 and num_pairs <= SMALL_BATCH_MAX_PAIRS)
+        return "small" if small else "aligned"
+    return _choose_path(path, num_tokens, num_pairs)
+
+
 def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out, k_dim, a_row_div, gated, act,
                    block, cfg, num_experts, up_scale_base=0, up_row_shift=0):
     """One block-FP8 expert-grouped GEMM (GEMM1 if ``gated`` else GEMM2); ``align`` None = small path."""
@@ -126,7 +142,7 @@ def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scal
     num_pairs = num_tokens * topk
     if num_pairs == 0:
         return out.zero_()
-    path = _choose_path(path, num_tokens, num_pairs)
+    path = choose_fp8_path(path, num_tokens, num_pairs)
     cfg = config if config is not None else get_moe_config(path, num_tokens, topk, num_experts)
     x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()
