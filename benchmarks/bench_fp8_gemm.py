@@ -86,7 +86,9 @@ def parse_args(argv=None):
     p.add_argument("--experts", action="store_true", help="FP8 vs bf16 fused MoE experts at V2-Lite shapes instead")
     p.add_argument("--sweep", action="store_true", help="time a config grid per (shape, T) and suggest the tables")
     p.add_argument("--experts-sweep", action="store_true",
-                   help="time the FP8 experts' small-path GEMM tiles (and the aligned path) at 8 and 16 tokens")
+                   help="time the FP8 experts' GEMM tiles on one path (--experts-sweep-path) at 8 and 16 tokens")
+    p.add_argument("--experts-sweep-path", choices=("small", "aligned"), default="small",
+                   help="the path whose tiles --experts-sweep times (the other runs with its default tiles)")
     p.add_argument("--gemv-sweep", action="store_true",
                    help="time the decode GEMVs' tiles (linear: V2-Lite/V3 shapes; experts: V2-Lite) at T <= 4")
     p.add_argument("--sweep-shapes", default=",".join(SWEEP_SHAPES))
@@ -530,8 +532,8 @@ EXPERTS_SWEEP = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w
 
 def run_experts_sweep(args, result, device, graph_ms, tokens):
     """``--experts-sweep``: the FP8 experts of one V2-Lite MoE layer at decode batch sizes above the GEMVs' (8, 16
-    tokens): every ``EXPERTS_SWEEP`` tile for both GEMMs of the small path, and the aligned path with its default
-    tiles, GPU time as ``--experts``; the best tile per size."""
+    tokens): every ``EXPERTS_SWEEP`` tile for both GEMMs of one path (``--experts-sweep-path``), and the other path
+    with its default tiles, GPU time as ``--experts``; the best tile per size."""
     import torch
     from mla_fuser.kernels.fp8.experts import quantize_expert_stack
     from mla_fuser.kernels.fused_moe import fused_experts_fp8_ref, fused_experts_fp8_triton
@@ -554,7 +556,9 @@ def run_experts_sweep(args, result, device, graph_ms, tokens):
             w, ids = torch.rand(t, e, device=device, generator=gen).topk(topk, dim=-1)
             routes.append((ids, w / w.sum(-1, keepdim=True)))
         ref = fused_experts_fp8_ref(x, q1, s1, q2, s2, *routes[0], **layout).float()
-        runs = [("small", cfg, {"gemm1": cfg, "gemm2": cfg}) for cfg in grid] + [("aligned", None, None)]
+        swept = args.experts_sweep_path
+        other = "aligned" if swept == "small" else "small"
+        runs = [(swept, cfg, {"gemm1": cfg, "gemm2": cfg}) for cfg in grid] + [(other, None, None), (swept, None, None)]
         for path, cfg, conf in runs:
             fn = (lambda j, p=path, c=conf: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[j], **layout, path=p,
                                                                      config=c))
@@ -567,8 +571,7 @@ def run_experts_sweep(args, result, device, graph_ms, tokens):
             best[r["tokens"]] = r
     result["experts_sweep"] = dict(records=records, best=list(best.values()))
     for r in records:
-        if r["path"] == "aligned" or r is best.get(r["tokens"]) or (r.get("BLOCK_N"), r.get("BLOCK_K"), r.get(
-                "num_warps"), r.get("num_stages")) == (32, 128, 4, 4):
+        if "BLOCK_N" not in r or r is best.get(r["tokens"]):  # the default tiles of both paths, and the best
             print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
 
 
@@ -673,7 +676,9 @@ def main(argv=None):
         bench_experts(args, eager_ms, graph_ms, result, device, [1, 5] if args.dry_run else tokens)
     else:
         bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms)
-    stem = "fp8_experts_sweep.json" if args.experts_sweep else "fp8_gemv_sweep.json" if args.gemv_sweep else "fp8_experts.json" if args.experts else "fp8_gemm_sweep.json" if args.sweep else "fp8_gemm.json"
+    stem = (f"fp8_experts_sweep_{args.experts_sweep_path}.json" if args.experts_sweep
+            else "fp8_gemv_sweep.json" if args.gemv_sweep else "fp8_experts.json" if args.experts
+            else "fp8_gemm_sweep.json" if args.sweep else "fp8_gemm.json")
     out = args.out or (os.path.join(tempfile.mkdtemp(), stem) if args.dry_run
                        else os.path.join(ROOT, "benchmarks", "results", stem))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

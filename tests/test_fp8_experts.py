@@ -149,6 +149,28 @@ def test_fp8_auto_path_by_tokens(monkeypatch):
         fp8_launch.choose_fp8_path("fast", 1, 6)
 
 
+def test_fp8_tiles_default_to_their_own_at_decode_sizes(monkeypatch):
+    """Block-FP8 experts take ``default_fp8_config``: narrower aligned tiles up to 16 pairs per expert, the bf16
+    defaults otherwise; a tuned table (``MLA_FUSER_MOE_CONFIGS``) still wins for both."""
+    from mla_fuser.kernels.fused_moe import configs
+
+    fp8 = configs.get_moe_config("aligned", 16, 6, 64, fp8=True)
+    assert fp8["gemm1"]["BLOCK_N"] == 32 and fp8["gemm1"]["BLOCK_M"] == fp8["gemm2"]["BLOCK_M"]
+    assert fp8 != configs.get_moe_config("aligned", 16, 6, 64)
+    for args in (("aligned", 8192, 6, 64), ("small", 4, 6, 64)):
+        assert configs.get_moe_config(*args, fp8=True) == configs.default_config(*args)
+    seen = []
+    real = fp8_launch.get_moe_config
+    monkeypatch.setattr(fp8_launch, "get_moe_config", lambda *a, **k: seen.append(k) or real(*a, **k))
+    stacks, layout = _stacks(4, 32, 16, (16, 16), True)
+    x, ids, w = torch.randn(6, 32), torch.randint(0, 4, (6, 2)), torch.rand(6, 2)
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = fm.fused_experts_fp8_triton(*[t.to(DEVICE) for t in (x, *stacks, ids, w)], **layout).cpu()
+    assert seen == [{"fp8": True}]
+    _close(out, fm.fused_experts_fp8_ref(x, *stacks, ids, w, **layout), torch.float32)
+
+
 def test_reference_equals_dequantised_bf16_style_reference():
     """The FP8 reference is the fp32 reference on the dequantised stacks (halves and whole layouts)."""
     for inter, halves in ((24, True), (24, False)):

@@ -2,8 +2,8 @@
 
 The bf16 op's paths (:mod:`.launch`) with :func:`~.fp8_kernels.moe_w8_gemm_kernel` for both GEMMs: the same path
 choice by token count (small-batch grid per expert up to ``FP8_SMALL_BATCH_MAX_TOKENS`` tokens, aligned grouped GEMM
-above), the same alignment and K-sum kernels, the same tiles except that ``BLOCK_K`` is capped by the quantisation
-block's ``bk`` (one scale column per K tile).  Not (yet) here: the small path's fused down-projection GEMV (the bf16
+above), the same alignment and K-sum kernels, the same tiles (``configs.default_fp8_config``: narrower aligned tiles
+at decode sizes) except that ``BLOCK_K`` is capped by the quantisation block's ``bk`` (one scale column per K tile).  Not (yet) here: the small path's fused down-projection GEMV (the bf16
 op's 2-launch decode path up to ``GEMV_DOWN_MAX_TOKENS`` tokens) -- FP8 runs GEMM2 + combine at every size -- and
 FP8 tensor cores with quantised activations for prefill (the block-FP8 linear's large-batch path).
 
@@ -143,7 +143,7 @@ def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scal
     if num_pairs == 0:
         return out.zero_()
     path = choose_fp8_path(path, num_tokens, num_pairs)
-    cfg = config if config is not None else get_moe_config(path, num_tokens, topk, num_experts)
+    cfg = config if config is not None else get_moe_config(path, num_tokens, topk, num_experts, fp8=True)
     x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()
     routing = topk_weights.reshape(-1).contiguous()
