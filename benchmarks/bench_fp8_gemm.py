@@ -34,12 +34,20 @@ first, so the whole sweep is one GPU call of a few minutes:
 
 ``--experts`` runs the block-FP8 experts instead (``fused_experts_fp8``, :mod:`mla_fuser.kernels.fused_moe`): the
 grouped GEMMs of one MoE layer at DeepSeek-V2-Lite's expert shapes (64 experts, hidden 2048, moe_intermediate 1408,
-top-6 of random router scores), T in {1, 4, 16, 64, 512, 8192} tokens (``path`` / ``fp8_path``: what "auto" picks), 128x128 block scales per expert, against bf16
-``fused_experts`` on the same weights in the same run (and, at decode sizes, FP8 without its decode GEMVs:
+top-6 of random router scores), T in {1, 4, 16, 64, 512, 8192} tokens (``path`` / ``fp8_path``: what "auto"
+picks for bf16 / FP8), 128x128 block scales per expert, against bf16 ``fused_experts`` on the same weights in the same
+run (and, at decode sizes, FP8 without its decode GEMVs:
 ``fp8_gemms``): the speed-up, the bytes of the experts the tokens picked over the time (``*_weight_GBps``, and as a
 fraction of the copy bandwidth), and the error against ``fused_experts_fp8_ref`` (fp32 on the dequantised weights).
 Times: ``*_ms`` GPU time (CUDA-graph replay of ``ROUTINGS`` calls, each with its own random routing, L2 flushed
 before each replay), ``*_eager_ms`` one eager call.  JSON: ``benchmarks/results/fp8_experts.json``.
+
+``--gemv-sweep`` times the decode GEMVs' tiles (``GEMV_SWEEP``): the linear's one-token GEMV on V2-Lite and V3
+shapes and the experts' two GEMVs on one V2-Lite layer, at 1 and 4 tokens; it prints the best tile per row and the
+tile with the best geometric mean (``fp8_gemv_sweep.json``: the source of ``linear.GEMVConfig`` and
+``fp8_launch.FP8_GEMV_CONFIG``).  ``--experts-sweep`` times the experts' GEMM tiles (``EXPERTS_SWEEP``) on one path
+(``--experts-sweep-path``) at 8 and 16 tokens beside the other path's defaults (``fp8_experts_sweep_<path>.json``:
+the source of ``FP8_SMALL_BATCH_MAX_TOKENS`` and ``configs.default_fp8_config``).
 
 GPU: ``python benchmarks/bench_fp8_gemm.py --out benchmarks/results/fp8_gemm.json`` (a few minutes on an H200);
 ``python benchmarks/bench_fp8_gemm.py --experts --out benchmarks/results/fp8_experts.json``.
@@ -80,7 +88,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="1,4,16,64,512,8192")
     p.add_argument("--shapes", default="", help="comma list of shape names (default: all)")
-    p.add_argument("--out", default="", help="JSON file (default benchmarks/results/fp8_gemm.json; temp dir on --dry-run)")
+    p.add_argument("--out", default="",
+                   help="JSON file (default benchmarks/results/<section>.json; temp dir on --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--rep", type=int, default=50, help="do_bench rep (ms)")
     p.add_argument("--experts", action="store_true", help="FP8 vs bf16 fused MoE experts at V2-Lite shapes instead")
@@ -419,8 +428,8 @@ def run_sweep(args, result, device, eager_ms, graph_ms, log):
                     log(f"[{time.perf_counter() - started:6.1f}s] {name} T={t} {path}: best {top['ms'] * 1e3:.1f} us "
                         f"(bf16 {bf16_ms * 1e3:.1f} us, {row['speedup_vs_bf16']:.2f}x) {top['config']} "
                         f"splits={top.get('splits')} ({len(done)} ok)")
-            del x, ref
-        del weights
+            x = ref = None  # (freed before the next size; not del: the timed lambdas close over these names)
+        weights = None
         if device == "cuda":
             torch.cuda.empty_cache()
     tables = suggest_tables(records)
@@ -626,8 +635,8 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                     row[f"{label}_frac_of_copy"] = row[f"{label}_weight_GBps"] / result["copy_GBps"]
             result["rows"].append(row)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-            del x, ref
-        del weights
+            x = ref = None  # (freed before the next size; not del: the timed lambdas close over these names)
+        weights = None
         if device == "cuda":
             torch.cuda.empty_cache()
 

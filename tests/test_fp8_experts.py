@@ -160,14 +160,14 @@ def test_fp8_tiles_default_to_their_own_at_decode_sizes(monkeypatch):
     for args in (("aligned", 8192, 6, 64), ("small", 4, 6, 64)):
         assert configs.get_moe_config(*args, fp8=True) == configs.default_config(*args)
     seen = []
-    real = fp8_launch.get_moe_config
-    monkeypatch.setattr(fp8_launch, "get_moe_config", lambda *a, **k: seen.append(k) or real(*a, **k))
+    real = fp8_launch._tiles
+    monkeypatch.setattr(fp8_launch, "_tiles", lambda *a: seen.append(a[-1]) or real(*a))
     stacks, layout = _stacks(4, 32, 16, (16, 16), True)
     x, ids, w = torch.randn(6, 32), torch.randint(0, 4, (6, 2)), torch.rand(6, 2)
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = fm.fused_experts_fp8_triton(*[t.to(DEVICE) for t in (x, *stacks, ids, w)], **layout).cpu()
-    assert seen == [{"fp8": True}]
+    assert seen == [True]  # (the FP8 defaults, asked once per shape)
     _close(out, fm.fused_experts_fp8_ref(x, *stacks, ids, w, **layout), torch.float32)
 
 

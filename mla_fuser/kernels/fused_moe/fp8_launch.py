@@ -17,13 +17,11 @@ from typing import Optional
 
 import torch
 
-from ..dispatch import cdiv, kernel_op, next_pow2, on_tensor_device, triton_interpreting, use_triton
-from .configs import get_moe_config
-from .fp8_kernels import moe_w8_gemm_kernel
-from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
-from .fp8_kernels import moe_w8_down_gemv_kernel, moe_w8_up_gemv_kernel
 from ... import envs
-from .launch import SMALL_BATCH_MAX_PAIRS, _choose_path, align_tokens_to_experts, gemv_down_max_tokens
+from ..dispatch import cdiv, kernel_op, next_pow2, on_tensor_device, triton_interpreting, use_triton
+from .fp8_kernels import moe_w8_down_gemv_kernel, moe_w8_gemm_kernel, moe_w8_up_gemv_kernel
+from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
+from .launch import SMALL_BATCH_MAX_PAIRS, _choose_path, _tiles, align_tokens_to_experts, gemv_down_max_tokens
 from .reference import activation_code
 from .triton_kernels import moe_combine_kernel
 
@@ -143,7 +141,7 @@ def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scal
     if num_pairs == 0:
         return out.zero_()
     path = choose_fp8_path(path, num_tokens, num_pairs)
-    cfg = config if config is not None else get_moe_config(path, num_tokens, topk, num_experts, fp8=True)
+    cfg = config if config is not None else _tiles(path, num_tokens, topk, num_experts, envs.moe_configs_path(), True)
     x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()
     routing = topk_weights.reshape(-1).contiguous()
