@@ -13,9 +13,10 @@ Three Triton paths (:mod:`.triton_kernels`), chosen by the number of tokens:
   is compute-bound and FP8 doubles the tensor-core rate.
 
 Launch configs (tiles, warps, stages, split-K, MMA or GEMV) come from two small tables keyed by token count,
-``W8_CONFIGS`` and ``TC_CONFIGS`` (picked by ``benchmarks/bench_fp8_gemm.py --sweep``), resolved once per shape
-into a cached plan (``w8_plan``, ``tc_plan``): a decode GEMM's host work is a cache lookup, its allocations and
-one launch (two when K is split: the reduction adds the bias and casts).
+``W8_CONFIGS`` and ``TC_CONFIGS`` (picked by ``benchmarks/bench_fp8_gemm.py --sweep``), and the one-token GEMV's
+``GEMV_CONFIG`` (``--gemv-sweep``), resolved once per shape into a cached plan (``gemv_plan``, ``w8_plan``,
+``tc_plan``): a decode GEMM's host work is a cache lookup, its allocations and one launch (two when K is split: the
+reduction adds the bias and casts).
 
 Torch references: ``block_fp8_linear_ref`` (weight-only, fp32 math: what a model whose FP8 weights were
 dequantised to fp32 computes) and ``block_fp8_linear_act_quant_ref`` (the FP8 path's math, activations quantised

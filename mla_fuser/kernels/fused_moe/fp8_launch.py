@@ -1,11 +1,14 @@
 """``fused_experts_fp8``: the fused MoE experts forward on block-FP8 expert stacks (a custom op), and its launches.
 
-The bf16 op's paths (:mod:`.launch`) with :func:`~.fp8_kernels.moe_w8_gemm_kernel` for both GEMMs: the same path
-choice by token count (small-batch grid per expert up to ``FP8_SMALL_BATCH_MAX_TOKENS`` tokens, aligned grouped GEMM
-above), the same alignment and K-sum kernels, the same tiles (``configs.default_fp8_config``: narrower aligned tiles
-at decode sizes) except that ``BLOCK_K`` is capped by the quantisation block's ``bk`` (one scale column per K tile).  Not (yet) here: the small path's fused down-projection GEMV (the bf16
-op's 2-launch decode path up to ``GEMV_DOWN_MAX_TOKENS`` tokens) -- FP8 runs GEMM2 + combine at every size -- and
-FP8 tensor cores with quantised activations for prefill (the block-FP8 linear's large-batch path).
+The bf16 op's paths (:mod:`.launch`) with :func:`~.fp8_kernels.moe_w8_gemm_kernel` for both GEMMs, chosen by token
+count (:func:`choose_fp8_path`: the small-batch grid per expert up to ``FP8_SMALL_BATCH_MAX_TOKENS`` tokens, the
+aligned grouped GEMM above), the same alignment and K-sum kernels, the bf16 op's tiles but for narrower aligned ones
+at decode sizes (``configs.default_fp8_config``), ``BLOCK_K`` capped by the quantisation block's ``bk`` (one scale
+column per K tile).  Up to ``GEMV_DOWN_MAX_TOKENS`` tokens the small path is two GEMV launches instead
+(``moe_w8_up_gemv_kernel``, ``moe_w8_down_gemv_kernel``: the block scales folded into the activations, no MMA
+padding of one token's row to 16, no combine launch) when a row tile of at least ``GEMV_MIN_BLOCK_N`` fits the scale
+blocks (:func:`gemv_block_n`).  Not (yet) here: FP8 tensor cores with quantised activations for prefill (the
+block-FP8 linear's large-batch path).
 
 CPU tensors (and autograd, and block sizes without a power-of-two divisor >= 16) run the torch reference
 :func:`~.fp8_reference.fused_experts_fp8_ref`; ``MLA_FUSER_BACKEND`` forces a backend (``dispatch.use_triton``).
