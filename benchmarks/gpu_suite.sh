@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_suite.sh tests graph     # only the named steps
 # Steps: tests kernel moe moe_layer ssm model graph generate profile host mamba, and (not in the default set: run
 # them by name) serving modes fp8 fp8_sweeps host_generate fp8_experts fp8_tests step_kernels splits split_rows beam
-# tune host_gpu serving_http serving_ab.  Each has its own time limit so
+# tune host_gpu serving_http serving_ab fp8_decode.  Each has its own time limit so
 # one slow step cannot eat the others.
 set -u
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -68,4 +68,10 @@ want serving_http && step 540 python3 benchmarks/bench_serving.py --http --http-
            --warmup 300 --static-requests 0 --native-requests 0 --out "$out/serving_http_same_load.json"
 want serving_ab && step 400 python3 benchmarks/bench_serving.py --in-process-concurrency 256 --warmup 300 --static-requests 0 \
            --native-requests 0 --ab-switch-intervals 0.0005,0.005,0.0005,0.005 --out "$out/serving_switch_ab.json"
+want fp8_decode && step 60 python3 benchmarks/bench_fp8_gemm.py --experts --tokens 1,4,8,16 --out "$out/fp8_experts_decode.json"
+want fp8_decode && step 240 python3 benchmarks/bench_fp8_gemm.py --gemv-sweep --sweep-rep 20 --out "$out/fp8_gemv_sweep.json"
+want fp8_decode && step 200 python3 benchmarks/bench_fp8_gemm.py --experts-sweep --experts-sweep-path aligned --sweep-rep 20 \
+           --out "$out/fp8_experts_sweep_aligned.json"
+want fp8_decode && step 150 python3 benchmarks/profile_decode_step.py --fp8-weights --fp8-cache --shapes 1x512,16x4096 \
+           --out "$out/profile_decode_step_fp8.json"
 ls -la "$out"
