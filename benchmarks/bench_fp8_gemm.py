@@ -113,33 +113,50 @@ TINY_EXPERTS = dict(num_experts=8, hidden=64, inter=40, topk=2)
 ROUTINGS = 8  # calls per graph in --experts, each with its own routing (a decode step's layers pick other experts)
 
 
+def expert_layer(args, device, gen):
+    """One MoE layer of random experts (``EXPERTS``, ``TINY_EXPERTS`` on a dry run), quantised per block:
+    ``(shape, block, (gate_up, down) in bf16, (q1, s1, q2, s2), layout keywords of fused_experts_fp8)``."""
+    import torch
+    from mla_fuser.kernels.fp8.experts import quantize_expert_stack
+
+    shape = TINY_EXPERTS if args.dry_run else EXPERTS
+    e, h, i = shape["num_experts"], shape["hidden"], shape["inter"]
+    block = (16, 16) if args.dry_run else (128, 128)
+    gate_up = torch.randn(e, 2 * i, h, device=device, generator=gen) * 0.02
+    down = torch.randn(e, h, i, device=device, generator=gen) * 0.02
+    q1, s1 = quantize_expert_stack(gate_up, block, rows=2 * -(-i // block[0]))
+    q2, s2 = quantize_expert_stack(down, block)
+    layout = dict(gate_up_block=block, down_block=block, up_scale_base=s1.shape[1] // 2, up_row_shift=0)
+    return shape, block, (gate_up.to(torch.bfloat16), down.to(torch.bfloat16)), (q1, s1, q2, s2), layout
+
+
+def random_routes(tokens, shape, device, gen):
+    """``ROUTINGS`` routings of ``tokens`` tokens: (ids, weights summing to 1) from random scores, top-k."""
+    import torch
+
+    routes = []
+    for _ in range(ROUTINGS):
+        weights, ids = torch.rand(tokens, shape["num_experts"], device=device, generator=gen).topk(shape["topk"], -1)
+        routes.append((ids, weights / weights.sum(-1, keepdim=True)))
+    return routes
+
+
 def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
     """The ``--experts`` section: FP8 vs bf16 fused experts of one MoE layer, one row per token count."""
     import torch
-    from mla_fuser.kernels.fp8.experts import quantize_expert_stack
     from mla_fuser.kernels.fused_moe import (fused_experts, fused_experts_fp8, fused_experts_fp8_ref,
                                              fused_experts_fp8_triton, fused_experts_triton)
     from mla_fuser.kernels.fused_moe.fp8_launch import choose_fp8_path
     from mla_fuser.kernels.fused_moe.launch import _choose_path, gemv_down_max_tokens
 
-    shape = TINY_EXPERTS if args.dry_run else EXPERTS
-    e, h, i, k = shape["num_experts"], shape["hidden"], shape["inter"], shape["topk"]
-    block = (16, 16) if args.dry_run else (128, 128)
     gen = torch.Generator(device=device).manual_seed(0)
-    gate_up = torch.randn(e, 2 * i, h, device=device, generator=gen) * 0.02
-    down = torch.randn(e, h, i, device=device, generator=gen) * 0.02
-    q1, s1 = quantize_expert_stack(gate_up, block, rows=2 * -(-i // block[0]))
-    q2, s2 = quantize_expert_stack(down, block)
-    gate_up, down = gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
-    layout = dict(gate_up_block=block, down_block=block, up_scale_base=s1.shape[1] // 2, up_row_shift=0)
+    shape, block, (gate_up, down), (q1, s1, q2, s2), layout = expert_layer(args, device, gen)
+    h, i, k = shape["hidden"], shape["inter"], shape["topk"]
     result.update(experts_shape=shape, experts_block=block, rows=[])
     per_expert = {"bf16": 3 * h * i * 2, "fp8": 3 * h * i + 4 * (s1[0].numel() + s2[0].numel())}
     for t in tokens:
         x = (torch.randn(t, h, device=device, generator=gen)).to(torch.bfloat16)
-        routes = []
-        for _ in range(ROUTINGS):
-            weights, ids = torch.rand(t, e, device=device, generator=gen).topk(k, dim=-1)
-            routes.append((ids, weights / weights.sum(-1, keepdim=True)))
+        routes = random_routes(t, shape, device, gen)
         ids, weights = routes[0]
         picked = sum(int(torch.unique(r[0]).numel()) for r in routes) / len(routes)
         ref = fused_experts_fp8_ref(x, q1, s1, q2, s2, ids, weights, **layout).float()
@@ -471,7 +488,6 @@ def run_gemv_sweep(args, result, device, graph_ms, tokens):
     import torch
     from mla_fuser.kernels.fp8 import block_fp8_linear_ref
     from mla_fuser.kernels.fp8 import linear as fp8_linear
-    from mla_fuser.kernels.fp8.experts import quantize_expert_stack
     from mla_fuser.kernels.fused_moe import fused_experts_fp8_ref, fused_experts_fp8_triton
 
     block = tuple(result["block"])
@@ -495,19 +511,10 @@ def run_gemv_sweep(args, result, device, graph_ms, tokens):
                 records.append(dict(kind="linear", shape=name, tokens=t, **cfg, rel_err=err,
                                     ms=timer(fn, copies, min(copies * 2, MAX_CALLS_PER_GRAPH), args.sweep_rep)))
         weights = None  # (freed before the next shape's copies are made)
-    shape = TINY_EXPERTS if args.dry_run else EXPERTS
-    e, h, i, topk = shape["num_experts"], shape["hidden"], shape["inter"], shape["topk"]
-    eblock = (16, 16) if args.dry_run else (128, 128)
-    q1, s1 = quantize_expert_stack(torch.randn(e, 2 * i, h, device=device, generator=gen) * 0.02, eblock,
-                                   rows=2 * -(-i // eblock[0]))
-    q2, s2 = quantize_expert_stack(torch.randn(e, h, i, device=device, generator=gen) * 0.02, eblock)
-    layout = dict(gate_up_block=eblock, down_block=eblock, up_scale_base=s1.shape[1] // 2, up_row_shift=0)
+    shape, _, _, (q1, s1, q2, s2), layout = expert_layer(args, device, gen)
     for t in tokens:
-        x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16)
-        routes = []
-        for _ in range(ROUTINGS):
-            w, ids = torch.rand(t, e, device=device, generator=gen).topk(topk, dim=-1)
-            routes.append((ids, w / w.sum(-1, keepdim=True)))
+        x = torch.randn(t, shape["hidden"], device=device, generator=gen).to(torch.bfloat16)
+        routes = random_routes(t, shape, device, gen)
         ref = fused_experts_fp8_ref(x, q1, s1, q2, s2, *routes[0], **layout).float()
         for cfg in grid:
             conf = {"fp8_gemv1": cfg, "fp8_gemv2": cfg}
@@ -544,26 +551,16 @@ def run_experts_sweep(args, result, device, graph_ms, tokens):
     tokens): every ``EXPERTS_SWEEP`` tile for both GEMMs of one path (``--experts-sweep-path``), and the other path
     with its default tiles, GPU time as ``--experts``; the best tile per size."""
     import torch
-    from mla_fuser.kernels.fp8.experts import quantize_expert_stack
     from mla_fuser.kernels.fused_moe import fused_experts_fp8_ref, fused_experts_fp8_triton
 
-    shape = TINY_EXPERTS if args.dry_run else EXPERTS
-    e, h, i, topk = shape["num_experts"], shape["hidden"], shape["inter"], shape["topk"]
-    block = (16, 16) if args.dry_run else (128, 128)
     grid = [dict(c, BLOCK_K=16) for c in EXPERTS_SWEEP[:2]] if args.dry_run else EXPERTS_SWEEP
     gen = torch.Generator(device=device).manual_seed(0)
-    q1, s1 = quantize_expert_stack(torch.randn(e, 2 * i, h, device=device, generator=gen) * 0.02, block,
-                                   rows=2 * -(-i // block[0]))
-    q2, s2 = quantize_expert_stack(torch.randn(e, h, i, device=device, generator=gen) * 0.02, block)
-    layout = dict(gate_up_block=block, down_block=block, up_scale_base=s1.shape[1] // 2, up_row_shift=0)
+    shape, _, _, (q1, s1, q2, s2), layout = expert_layer(args, device, gen)
     timer = graph_ms if device == "cuda" else (lambda fn, copies, calls, rep: 0.0)
     records = []
     for t in tokens:
-        x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16)
-        routes = []
-        for _ in range(ROUTINGS):
-            w, ids = torch.rand(t, e, device=device, generator=gen).topk(topk, dim=-1)
-            routes.append((ids, w / w.sum(-1, keepdim=True)))
+        x = torch.randn(t, shape["hidden"], device=device, generator=gen).to(torch.bfloat16)
+        routes = random_routes(t, shape, device, gen)
         ref = fused_experts_fp8_ref(x, q1, s1, q2, s2, *routes[0], **layout).float()
         swept = args.experts_sweep_path
         other = "aligned" if swept == "small" else "small"
