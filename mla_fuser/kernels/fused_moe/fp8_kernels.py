@@ -1,7 +1,7 @@
 """The block-FP8 expert-grouped GEMM: ``moe_gemm_kernel`` (:mod:`.triton_kernels`) with e4m3 weights and per-expert
 block scales, weight-only; and for decode (up to ``launch.GEMV_DOWN_MAX_TOKENS`` tokens) two GEMVs instead:
-``moe_w8_up_gemv_kernel`` (GEMM1 with the activation) and ``moe_w8_down_gemv_kernel`` (GEMM2 with the routing
-weights and the combine), two launches for the whole experts forward.
+``moe_w8_up_gemv_kernel`` (GEMM1 with the activation) and the bf16 op's ``moe_down_gemv_kernel`` with ``SCALED``
+(GEMM2 with the routing weights and the combine), two launches for the whole experts forward.
 
 Why weight-only: an MoE layer at decode reads six or eight experts' weights for a handful of tokens, so it is bound
 by the bytes of weights it reads, which e4m3 halves; the activations stay in their dtype (no quantisation error
@@ -191,41 +191,3 @@ def moe_w8_up_gemv_kernel(
     else:
         g = tl.maximum(g, 0.0)
     tl.store(c_ptr + p.to(tl.int64) * stride_cm + offs_n * stride_cn, (g * u).to(c_ptr.dtype.element_ty), mask=n_ok)
-
-
-@LazyJit
-def moe_w8_down_gemv_kernel(
-    h_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, rw_ptr,
-    N, K, E,
-    stride_hp, stride_hk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ot, stride_on,
-    QBN, QBK,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Decode-size GEMM2 + combine on block-FP8 down stacks: ``out[t, n] = sum_j w[t,j] * (dequant(D[e_j])[n, :] .
-    h[t*TOPK+j, :])``; the bf16 ``moe_down_gemv_kernel``'s scheme (one program per (token, N-tile), the TOPK experts
-    unrolled in each K step, one fp32 accumulator) with the routing weight and the tile's block scales (``BLOCK_N``
-    divides ``QBN``: one scale row per tile, scales vary along K only) folded into ``h``.  Pairs with an id outside
-    ``[0, E)`` load nothing."""
-    t = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        for j in tl.static_range(TOPK):
-            pair = t * TOPK + j
-            e = tl.load(ids_ptr + pair)
-            limit = tl.where((e >= 0) & (e < E), K, 0)
-            e_safe = tl.where(limit > 0, e, 0).to(tl.int64)
-            k_ok = kk < limit
-            wgt = tl.load(rw_ptr + pair).to(tl.float32)
-            h = tl.load(h_ptr + pair.to(tl.int64) * stride_hp + kk * stride_hk, mask=k_ok, other=0.0).to(tl.float32)
-            s = tl.load(s_ptr + e_safe * stride_se + (n0 // QBN) * stride_sn + (kk // QBK) * stride_sk, mask=k_ok,
-                        other=0.0)
-            w = tl.load(w_ptr + e_safe * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :] * stride_wk,
-                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * (h * (s * wgt))[None, :]
-    out = tl.reduce(acc, 1, SUM_COMBINE)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n * stride_on, out.to(out_ptr.dtype.element_ty), mask=n_ok)

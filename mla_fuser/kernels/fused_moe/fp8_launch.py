@@ -5,9 +5,9 @@ count (:func:`choose_fp8_path`: the small-batch grid per expert up to ``FP8_SMAL
 aligned grouped GEMM above), the same alignment and K-sum kernels, the bf16 op's tiles but for narrower aligned ones
 at decode sizes (``configs.default_fp8_config``), ``BLOCK_K`` capped by the quantisation block's ``bk`` (one scale
 column per K tile).  Up to ``GEMV_DOWN_MAX_TOKENS`` tokens the small path is two GEMV launches instead
-(``moe_w8_up_gemv_kernel``, ``moe_w8_down_gemv_kernel``: the block scales folded into the activations, no MMA
-padding of one token's row to 16, no combine launch) when a row tile of at least ``GEMV_MIN_BLOCK_N`` fits the scale
-blocks (:func:`gemv_block_n`).  Not (yet) here: FP8 tensor cores with quantised activations for prefill (the
+(``moe_w8_up_gemv_kernel``, and the bf16 op's ``moe_down_gemv_kernel`` with ``SCALED``: the block scales folded
+into the activations, no MMA padding of one token's row to 16, no combine launch) when a row tile of at least
+``GEMV_MIN_BLOCK_N`` fits the scale blocks (:func:`gemv_block_n`).  Not (yet) here: FP8 tensor cores with quantised activations for prefill (the
 block-FP8 linear's large-batch path).
 
 CPU tensors (and autograd, and block sizes without a power-of-two divisor >= 16) run the torch reference
@@ -22,9 +22,10 @@ import torch
 
 from ... import envs
 from ..dispatch import cdiv, kernel_op, next_pow2, on_tensor_device, triton_interpreting, use_triton
-from .fp8_kernels import moe_w8_down_gemv_kernel, moe_w8_gemm_kernel, moe_w8_up_gemv_kernel
+from .fp8_kernels import moe_w8_gemm_kernel, moe_w8_up_gemv_kernel
 from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
-from .launch import SMALL_BATCH_MAX_PAIRS, _choose_path, _tiles, align_tokens_to_experts, gemv_down_max_tokens
+from .launch import (SMALL_BATCH_MAX_PAIRS, _choose_path, _tiles, align_tokens_to_experts, gemv_down_max_tokens,
+                     launch_down_gemv)
 from .reference import activation_code
 from .triton_kernels import moe_combine_kernel
 
@@ -79,16 +80,9 @@ def launch_w8_gemvs(*, x, gate_up_w, gate_up_scale, down_w, down_scale, flat_ids
         TOPK=topk, ACT=act, BLOCK_N=block_n, BLOCK_K=bk1,
         num_warps=gemv1.get("num_warps", 4), num_stages=gemv1.get("num_stages", 2),
     )  # fmt: skip
-    bk2 = min(gemv2["BLOCK_K"], next_pow2(inter))
-    moe_w8_down_gemv_kernel[(num_tokens, cdiv(hidden, block_n))](
-        inter_buf, down_w, down_scale, out, flat_ids, routing,
-        hidden, inter, num_experts,
-        inter_buf.stride(0), inter_buf.stride(1), down_w.stride(0), down_w.stride(1), down_w.stride(2),
-        down_scale.stride(0), down_scale.stride(1), down_scale.stride(2), out.stride(0), out.stride(1),
-        down_block[0], down_block[1],
-        TOPK=topk, BLOCK_N=block_n, BLOCK_K=bk2,
-        num_warps=gemv2.get("num_warps", 4), num_stages=gemv2.get("num_stages", 2),
-    )  # fmt: skip
+    down_cfg = dict(gemv2, BLOCK_N=block_n, BLOCK_K=min(gemv2["BLOCK_K"], next_pow2(inter)))
+    launch_down_gemv(inter_buf, down_w, None, out, flat_ids, routing, topk, num_experts, down_cfg,
+                     down_scale=down_scale, down_block=down_block)
     return out
 
 

@@ -169,20 +169,24 @@ def _scan_p(num_pairs: int) -> int:
     return min(512, max(16, next_pow2(num_pairs)))
 
 
-def launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk, num_experts, cfg, warmup=False):
-    """Launch the small path's GEMM2 + K-sum GEMV (``moe_down_gemv_kernel``) into ``out [T, H]``."""
+def launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk, num_experts, cfg, warmup=False,
+                     down_scale=None, down_block=None):
+    """Launch the small path's GEMM2 + K-sum GEMV (``moe_down_gemv_kernel``) into ``out [T, H]``.  ``down_scale`` /
+    ``down_block``: a block-FP8 down stack's fp32 scales and ``(bn, bk)``; ``cfg["BLOCK_N"]`` must divide ``bn``."""
     num_tokens, hidden_size = out.shape
     grid = (num_tokens, cdiv(hidden_size, cfg["BLOCK_N"]))
     kernel = moe_down_gemv_kernel.get()
     launch = functools.partial(kernel.warmup, grid=grid) if warmup else on_tensor_device(kernel[grid])
-    has_bias = down_bias is not None
+    has_bias, scaled = down_bias is not None, down_scale is not None
     launch(
         inter_buf, down_w, down_bias if has_bias else out, out, flat_ids, routing,
         hidden_size, inter_buf.shape[1], num_experts,
         inter_buf.stride(0), inter_buf.stride(1), down_w.stride(0), down_w.stride(1), down_w.stride(2),
         down_bias.stride(0) if has_bias else 0, down_bias.stride(1) if has_bias else 0,
         out.stride(0), out.stride(1),
-        TOPK=topk, HAS_BIAS=has_bias, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        down_scale if scaled else out, *(down_scale.stride() if scaled else (0, 0, 0)),
+        *(down_block if scaled else (1, 1)),
+        TOPK=topk, HAS_BIAS=has_bias, SCALED=scaled, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
 

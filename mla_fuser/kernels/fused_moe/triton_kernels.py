@@ -288,8 +288,15 @@ def moe_down_gemv_kernel(
     stride_bn,
     stride_ot,
     stride_on,
+    s_ptr,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    QBN,
+    QBK,
     TOPK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -298,9 +305,14 @@ def moe_down_gemv_kernel(
     One program per (token, N-tile).  The K experts are unrolled inside each step over I, so K
     independent weight-tile loads are in flight at once (bandwidth), and the routing weight is folded
     into h, so one [BLOCK_N, BLOCK_K] fp32 accumulator serves all K experts and is reduced once at the end.
-    Deterministic (no atomics).  Pairs with an id outside [0, E) load nothing."""
+    Deterministic (no atomics).  Pairs with an id outside [0, E) load nothing.
+
+    ``SCALED``: block-FP8 down stacks (e4m3 ``w``, fp32 scales ``s[e, n // QBN, k // QBK]``).  ``BLOCK_N`` divides
+    ``QBN`` (the launcher's business), so a tile's rows share one scale row, the scales vary along K only and are
+    folded into ``h`` with the routing weight; e4m3 widens exactly to fp32."""
     t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
@@ -312,6 +324,10 @@ def moe_down_gemv_kernel(
             limit = tl.where((e >= 0) & (e < E), K, 0)  # scalar: K for a valid expert, 0 masks everything
             e_safe = tl.where(limit > 0, e, 0).to(tl.int64)
             wgt = tl.load(rw_ptr + pair).to(tl.float32)
+            if SCALED:
+                s = tl.load(s_ptr + e_safe * stride_se + (n0 // QBN) * stride_sn + (kk // QBK) * stride_sk,
+                            mask=kk < limit, other=0.0)
+                wgt = s * wgt
             h = tl.load(h_ptr + pair.to(tl.int64) * stride_hp + kk * stride_hk, mask=kk < limit, other=0.0)
             w = tl.load(
                 w_ptr + e_safe * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :] * stride_wk,
