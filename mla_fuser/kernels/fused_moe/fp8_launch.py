@@ -24,8 +24,7 @@ from ... import envs
 from ..dispatch import cdiv, kernel_op, next_pow2, on_tensor_device, triton_interpreting, use_triton
 from .fp8_kernels import moe_w8_gemm_kernel, moe_w8_up_gemv_kernel
 from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
-from .launch import (SMALL_BATCH_MAX_PAIRS, _choose_path, _tiles, align_tokens_to_experts, gemv_down_max_tokens,
-                     launch_down_gemv)
+from .launch import _choose_path, _tiles, align_tokens_to_experts, gemv_down_max_tokens, launch_down_gemv
 from .reference import activation_code
 from .triton_kernels import moe_combine_kernel
 
@@ -89,11 +88,7 @@ def launch_w8_gemvs(*, x, gate_up_w, gate_up_scale, down_w, down_scale, flat_ids
 def choose_fp8_path(path: str, num_tokens: int, num_pairs: int) -> str:
     """``path`` as the bf16 op's ``_choose_path``, except that "auto" leaves the small path at
     ``FP8_SMALL_BATCH_MAX_TOKENS`` tokens.  Shapes only, never whether a graph is being captured."""
-    if path == "auto":
-        small = (num_tokens <= envs.moe_small_batch_tokens(FP8_SMALL_BATCH_MAX_TOKENS)
-                 and num_pairs <= SMALL_BATCH_MAX_PAIRS)
-        return "small" if small else "aligned"
-    return _choose_path(path, num_tokens, num_pairs)
+    return _choose_path(path, num_tokens, num_pairs, FP8_SMALL_BATCH_MAX_TOKENS)
 
 
 def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out, k_dim, a_row_div, gated, act,

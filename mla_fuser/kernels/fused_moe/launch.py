@@ -33,8 +33,9 @@ SMALL_BATCH_MAX_PAIRS = 1024
 GEMV_DOWN_MAX_TOKENS = 4
 
 
-def small_batch_max_tokens() -> int:
-    return envs.moe_small_batch_tokens(SMALL_BATCH_MAX_TOKENS)
+def small_batch_max_tokens(default: int = SMALL_BATCH_MAX_TOKENS) -> int:
+    """``MLA_FUSER_MOE_SMALL_BATCH_TOKENS``, else ``default`` (the block-FP8 op passes its own)."""
+    return envs.moe_small_batch_tokens(default)
 
 
 def gemv_down_max_tokens() -> int:
@@ -204,13 +205,14 @@ def _default_gemv(num_tokens: int, topk: int, num_experts: int) -> dict:
     return default_config("small", num_tokens, topk, num_experts)["gemv2"]
 
 
-def _choose_path(path: str, num_tokens: int, num_pairs: int) -> str:
+def _choose_path(path: str, num_tokens: int, num_pairs: int, max_tokens: int = SMALL_BATCH_MAX_TOKENS) -> str:
     """"auto": the small path (no alignment launch, GEMV down+combine up to ``GEMV_DOWN_MAX_TOKENS``) up to
-    ``SMALL_BATCH_MAX_TOKENS`` tokens, the aligned grouped GEMM above.  The choice depends on shapes only, never
-    on whether a CUDA graph is being captured: a captured step must use the kernels its eager warm-up compiled
-    (at 16 tokens, where the two meet, an H200 measured 0.230 vs 0.225 ms eager)."""
+    ``max_tokens`` tokens (default ``SMALL_BATCH_MAX_TOKENS``; the variable overrides it), the aligned grouped GEMM
+    above.  The choice depends on shapes only, never on whether a CUDA graph is being captured: a captured step must
+    use the kernels its eager warm-up compiled (at 16 tokens, where the two meet, an H200 measured 0.230 vs 0.225 ms
+    eager)."""
     if path == "auto":
-        small = num_tokens <= small_batch_max_tokens() and num_pairs <= SMALL_BATCH_MAX_PAIRS
+        small = num_tokens <= small_batch_max_tokens(max_tokens) and num_pairs <= SMALL_BATCH_MAX_PAIRS
         return "small" if small else "aligned"
     if path not in ("small", "aligned"):
         raise ValueError(f"path must be 'auto', 'small' or 'aligned', got {path!r}")
