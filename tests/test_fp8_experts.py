@@ -23,7 +23,7 @@ from mla_fuser.kernels import fused_moe as fm
 from mla_fuser.kernels.dispatch import triton_available
 from mla_fuser.kernels.fp8 import dequantize_block_fp8, quantize_block_fp8
 from mla_fuser.kernels.fp8.experts import explain_fp8_experts, quantize_expert_stack
-from mla_fuser.kernels.fused_moe import fp8_launch
+from mla_fuser.kernels.fused_moe import configs, fp8_launch
 from mla_fuser.kernels.fused_moe.fp8_reference import dequantize_expert
 
 from conftest import close_to_reference as _close, tiny_deepseek
@@ -103,11 +103,20 @@ def test_decode_gemvs_match_reference(monkeypatch, dtype, tokens, inter, block, 
     w = torch.rand(tokens, topk, generator=gen)
     calls = []
     real = fp8_launch.launch_w8_gemvs
-    monkeypatch.setattr(fp8_launch, "launch_w8_gemvs", lambda **k: calls.append(k["block_n"]) or real(**k))
+    monkeypatch.setattr(fp8_launch, "launch_w8_gemvs",
+                        lambda **k: calls.append((k["gemv1"]["BLOCK_N"], k["gemv2"]["BLOCK_N"])) or real(**k))
     ref = fm.fused_experts_fp8_ref(x, *stacks, ids, w, **layout)
     dev = [t.to(DEVICE) for t in (x, *stacks, ids, w)]
     out = fm.fused_experts_fp8_triton(*dev, config=GEMV_TILES if tiles == "tiny" else None, **layout).cpu()
-    assert calls == [8]
+    # each row tile is the one asked for, capped to lie in one scale row: it divides the block's rows and, for the
+    # gate/up stack, the up half's row shift (24 rows whole: the up half starts mid-block, which caps it to 8)
+    wanted = GEMV_TILES if tiles == "tiny" else configs.default_fp8_config("small", tokens, topk, num_experts)
+    (up, down), = calls
+    shift = inter if layout["up_row_shift"] is None else layout["up_row_shift"]
+    assert block[0] % up == 0 and (shift % up == 0 if shift else True) and block[0] % down == 0
+    assert up <= wanted["fp8_gemv1"]["BLOCK_N"] and down <= wanted["fp8_gemv2"]["BLOCK_N"]
+    if (inter, block, halves) == (24, (16, 16), False):
+        assert up == 8
     _close(out, ref, dtype)
 
 
@@ -120,9 +129,11 @@ def test_decode_gemvs_step_aside_when_no_row_tile_fits(monkeypatch):
     calls = []
     real = fp8_launch.launch_w8_gemvs
     monkeypatch.setattr(fp8_launch, "launch_w8_gemvs", lambda **k: calls.append(1) or real(**k))
-    assert fp8_launch.gemv_block_n(8, (16, 16), (16, 16), 26) == 0
-    assert fp8_launch.gemv_block_n(8, (16, 16), (16, 16), 24) == 8
-    assert fp8_launch.gemv_block_n(8, (4, 16), (16, 16), 0) == 4
+    assert fp8_launch.gemv_block_n(8, (16, 16), 26) == 0
+    assert fp8_launch.gemv_block_n(8, (16, 16), 24) == 8
+    assert fp8_launch.gemv_block_n(32, (16, 16), 48) == 16
+    assert fp8_launch.gemv_block_n(8, (4, 16)) == 4
+    assert fp8_launch.gemv_block_n(8, (2, 16)) == 0
     for inter, tokens in ((26, 1), (32, fm.launch.GEMV_DOWN_MAX_TOKENS + 1)):
         stacks, layout = _stacks(4, 32, inter, (16, 16), False)
         gen = torch.Generator().manual_seed(inter)
@@ -157,11 +168,13 @@ def test_fp8_tiles_default_to_their_own_at_decode_sizes(monkeypatch):
     fp8 = configs.get_moe_config("aligned", 16, 6, 64, fp8=True)
     assert fp8["gemm1"]["BLOCK_N"] == 32 and fp8["gemm1"]["BLOCK_M"] == fp8["gemm2"]["BLOCK_M"]
     assert fp8 != configs.get_moe_config("aligned", 16, 6, 64)
-    for args in (("aligned", 8192, 6, 64), ("small", 4, 6, 64)):
-        assert configs.get_moe_config(*args, fp8=True) == configs.default_config(*args)
+    for args in (("aligned", 8192, 6, 64), ("small", 4, 6, 64)):  # (plus their own decode GEMV tiles)
+        own = configs.get_moe_config(*args, fp8=True)
+        assert {k: v for k, v in own.items() if not k.startswith("fp8_")} == configs.default_config(*args)
+    assert set(configs.get_moe_config("small", 4, 6, 64, fp8=True)) >= {"fp8_gemv1", "fp8_gemv2"}
     seen = []
     real = fp8_launch._tiles
-    monkeypatch.setattr(fp8_launch, "_tiles", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(fp8_launch, "_tiles", lambda *a: seen.append(a[5]) or real(*a))
     stacks, layout = _stacks(4, 32, 16, (16, 16), True)
     x, ids, w = torch.randn(6, 32), torch.randint(0, 4, (6, 2)), torch.rand(6, 2)
     if not ON_GPU:

@@ -152,37 +152,74 @@ def test_triton_matches_ref(path, dtype, bias, interleaved):
     _close(out.cpu(), ref, dtype)
 
 
+# the decode GEMVs' tiles at interpreter size: GEMM1 too as a GEMV (2 K steps over H=32, rows masked past I=16 with
+# 32-row tiles: BLOCK_N 32 > I)
+TINY_GEMVS = dict(TINY, gemv1=dict(BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2))
+
+
 @needs_triton
 @pytest.mark.parametrize("num_tokens", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bias,interleaved", [(False, False), (True, True)])
-def test_triton_small_gemv_down(num_tokens, dtype, bias, interleaved):
-    """Up to GEMV_DOWN_MAX_TOKENS tokens the small path fuses the down projection and the K-sum."""
+@pytest.mark.parametrize("bias,interleaved", [(False, False), (True, True), (True, False)])
+@pytest.mark.parametrize("up_gemv", [False, True])
+def test_triton_small_gemv_down(num_tokens, dtype, bias, interleaved, up_gemv, monkeypatch):
+    """Up to GEMV_DOWN_MAX_TOKENS tokens the small path fuses the down projection and the K-sum (a GEMV), and with
+    a ``gemv1`` tile runs the gate/up projection as a GEMV too (biases, both row layouts)."""
     assert num_tokens <= fm.GEMV_DOWN_MAX_TOKENS
     gate_up, down, gub, db = _weights(dtype, bias)
     hidden = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(10)).to(dtype)
     ids, w = _routing(num_tokens, 3, weight_dtype=dtype)
     kw = dict(gate_up_bias=gub, down_bias=db, interleaved=interleaved)
+    launched = []
+    for name in ("launch_up_gemv", "launch_gemm"):
+        real = getattr(fm.launch, name)
+        monkeypatch.setattr(fm.launch, name, lambda *a, _n=name, _r=real, **k: launched.append(_n) or _r(*a, **k))
     ref = fm.fused_experts_ref(hidden, gate_up, down, ids, w, **kw)
-    out = fm.fused_experts_triton(*_dev(hidden, gate_up, down, ids, w), path="small", config=TINY, **_dev_kw(kw))
+    out = fm.fused_experts_triton(*_dev(hidden, gate_up, down, ids, w), path="small",
+                                  config=TINY_GEMVS if up_gemv else TINY, **_dev_kw(kw))
     _close(out.cpu(), ref, dtype)
+    assert launched == ["launch_up_gemv" if up_gemv else "launch_gemm"]
+
+
+@needs_triton
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 5])
+def test_default_tiles_decide_the_up_gemv(num_tokens, monkeypatch):
+    """With the default tiles, GEMM1 runs as a GEMV exactly where the shipped table has a ``gemv1`` tile for the
+    layer's size and token count (never past ``GEMV_DOWN_MAX_TOKENS``); results equal the reference either way."""
+    from mla_fuser.kernels.fused_moe import configs, gemv_tiles
+
+    tiles = gemv_tiles.decode_gemv_tiles(num_tokens, H)
+    cfg = configs.default_config("small", num_tokens, 3, E, H)
+    assert ("gemv1" in cfg) == (tiles is not None and tiles[0] is not None)
+    assert cfg["gemv2"] == (tiles[1] if tiles else configs.default_config("small", 16, 3, E)["gemv2"])
+    launched = []
+    real = fm.launch.launch_up_gemv
+    monkeypatch.setattr(fm.launch, "launch_up_gemv", lambda *a, **k: launched.append(1) or real(*a, **k))
+    gate_up, down, _, _ = _weights(torch.float32, False)
+    hidden = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(11))
+    ids, w = _routing(num_tokens, 3)
+    out = fm.fused_experts_triton(*_dev(hidden, gate_up, down, ids, w), path="small")
+    _close(out.cpu(), fm.fused_experts_ref(hidden, gate_up, down, ids, w), torch.float32)
+    assert bool(launched) == ("gemv1" in cfg and num_tokens <= fm.GEMV_DOWN_MAX_TOKENS)
 
 
 @needs_triton
 @pytest.mark.parametrize("path,gemv_tokens", [("small", "4"), ("small", "0"), ("aligned", "4")])
-def test_triton_sentinel_ids_gelu_int32(path, gemv_tokens, monkeypatch):
-    """Ids outside [0, E) contribute nothing; int32 ids; another activation; fp16; bias on the GEMV path."""
+@pytest.mark.parametrize("activation", ["gelu", "gelu_pytorch_tanh", "relu"])
+def test_triton_sentinel_ids_gelu_int32(path, gemv_tokens, activation, monkeypatch):
+    """Ids outside [0, E) contribute nothing; int32 ids; other activations; fp16; biases on the GEMV paths."""
     monkeypatch.setenv("MLA_FUSER_MOE_GEMV_TOKENS", gemv_tokens)
-    gate_up, down, _, db = _weights(torch.float16, True)
+    gate_up, down, gub, db = _weights(torch.float16, True)
     hidden = torch.randn(4, H, generator=torch.Generator().manual_seed(6)).half()
     ids, w = _routing(4, 2)
     ids[1, 1] = E
     ids[3, 0] = -1
     ids = ids.int()
     out = fm.fused_experts_triton(
-        *_dev(hidden, gate_up, down, ids, w), down_bias=db.to(DEVICE), activation="gelu", path=path, config=TINY
-    )
-    ref = fm.fused_experts_ref(hidden, gate_up, down, ids, w, down_bias=db, activation="gelu")
+        *_dev(hidden, gate_up, down, ids, w), gate_up_bias=gub.to(DEVICE), down_bias=db.to(DEVICE),
+        activation=activation, path=path, config=TINY_GEMVS,
+    )  # fmt: skip
+    ref = fm.fused_experts_ref(hidden, gate_up, down, ids, w, gate_up_bias=gub, down_bias=db, activation=activation)
     _close(out.cpu(), ref, torch.float16)
 
 

@@ -28,7 +28,9 @@ Two Triton paths, chosen by token count (``path="auto"``):
   experts nobody picked exit after reading the ids.  This needs no host synchronisation and no
   preparation launch, so it is CUDA-graph friendly and costs 3 launches (GEMM1, GEMM2, combine) -- or 2
   up to ``GEMV_DOWN_MAX_TOKENS`` (4) tokens, where GEMM2 and the K-sum become one per-token GEMV (tokens
-  rarely share experts there, so reading down weights per token costs nothing extra).  Why the small path
+  rarely share experts there, so reading down weights per token costs nothing extra), GEMM1 too a GEMV (one program
+  per pair and row tile, no MMA padding of a pair's row to 16) where the tuned tiles say it wins (:mod:`.gemv_tiles`:
+  per layer size, dtype and token count; on an H200 one or two tokens at V2-Lite's size).  Why the small path
   at all: measured on an H200, one DeepSeek-V2-Lite layer at 1 token takes ~0.047 ms of GPU time but
   eager calls are host-bound (tens of us per launch/op on that host), so launches are what it saves
   (0.071 ms eager vs 0.148 for the aligned path at 1 token; equal at 16 tokens, hence the threshold).  The
@@ -50,7 +52,8 @@ math), :mod:`.cpu` (the torch path for CPU tensors: the reference's math with th
 :mod:`.triton_kernels` (the Triton kernels), :mod:`.launch` (path choice, alignment and launches:
 :func:`fused_experts_triton`), :mod:`.configs` (default and tuned tiles).  This module is the public op:
 :func:`fused_experts` (a ``torch.library`` custom op ``mla_fuser::fused_experts`` with a fake impl, Triton or
-torch chosen by :func:`mla_fuser.kernels.dispatch.use_triton`), re-exporting :func:`fused_experts_ref`, :func:`fused_experts_cpu`,
+torch chosen by :func:`mla_fuser.kernels.dispatch.use_triton`; the decode GEMVs' tuned tiles in :mod:`.gemv_tiles`),
+re-exporting :func:`fused_experts_ref`, :func:`fused_experts_cpu`,
 :func:`fused_experts_triton`, :func:`align_tokens_to_experts` / :func:`align_tokens_to_experts_ref`, the router
 reference :func:`route_topk_ref` and the config helpers.
 

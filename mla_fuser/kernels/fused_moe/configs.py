@@ -2,6 +2,7 @@
 
 Tuned tiles stay data, not code: ``benchmarks/bench_fused_moe.py --sweep`` writes them (its ``best_configs``
 JSON) and ``MLA_FUSER_MOE_CONFIGS`` names the file to use (the variable is read at each call, a file parsed once).
+The decode GEMVs' defaults come from the shipped table of :mod:`.gemv_tiles` (per layer size, dtype and tokens).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import functools
 import json
 
 from ... import envs
+from .gemv_tiles import decode_gemv_tiles
 
 
-def default_config(path: str, num_tokens: int, topk: int, num_experts: int) -> dict:
+def default_config(path: str, num_tokens: int, topk: int, num_experts: int, hidden: int = 0) -> dict:
     """Starting points for H100/H200-class GPUs (bf16); ``benchmarks/bench_fused_moe.py --sweep``
     measures better ones, loadable through ``MLA_FUSER_MOE_CONFIGS``.
 
@@ -20,7 +22,8 @@ def default_config(path: str, num_tokens: int, topk: int, num_experts: int) -> d
     programs to keep all SMs streaming when only 6 experts are live (1 token: 6 x 44 GEMM1 programs);
     4 stages keep bytes in flight, and the modest tile leaves room for several programs per SM.
     aligned: BLOCK_M follows the average number of pairs per expert so an expert's weights are read by
-    as few tiles as possible while not padding too much.
+    as few tiles as possible while not padding too much.  ``hidden`` (the layer's hidden size; 0: unknown) picks
+    the decode GEMVs' tuned tiles (:mod:`.gemv_tiles`): ``gemv2``, and ``gemv1`` where GEMM1 is a GEMV too.
     """
     if path == "small":
         # sm_90 build of these: GEMM1 140 registers / 60 KB smem, GEMM2 108 / 36 KB, no spills.
@@ -29,7 +32,12 @@ def default_config(path: str, num_tokens: int, topk: int, num_experts: int) -> d
         # GEMV down+combine (T <= GEMV_DOWN_MAX_TOKENS): 8 rows x 512 per expert tile, 6 tiles in flight per
         # step; H/8 = 256 programs for one token (two per SM).
         gv = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=2)
-        return {"gemm1": g1, "gemm2": g2, "gemv2": gv}
+        cfg = {"gemm1": g1, "gemm2": g2, "gemv2": gv}
+        gemv1, gemv2 = decode_gemv_tiles(num_tokens, hidden) or (None, gv)
+        cfg["gemv2"] = gemv2
+        if gemv1:
+            cfg["gemv1"] = gemv1
+        return cfg
     avg = num_tokens * topk / max(1, num_experts)
     if avg <= 16:
         g = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
@@ -51,13 +59,18 @@ def default_config(path: str, num_tokens: int, topk: int, num_experts: int) -> d
     return {"gemm1": g1, "gemm2": dict(g)}
 
 
-def default_fp8_config(path: str, num_tokens: int, topk: int, num_experts: int) -> dict:
+def default_fp8_config(path: str, num_tokens: int, topk: int, num_experts: int, hidden: int = 0) -> dict:
     """The block-FP8 experts' defaults: :func:`default_config`'s, except the aligned path's tiles at decode batch sizes
     (up to 16 pairs per expert): half as wide (32 columns) with 3 stages.  An e4m3 tile holds half the bytes of a bf16
     one, so narrower tiles keep more programs streaming.  On an H200 (``bench_fp8_gemm.py --experts-sweep
     --experts-sweep-path aligned``, one V2-Lite layer, GPU time; ``fp8_experts_sweep_aligned.json``) the best of 36
     tiles at 8 and 16 tokens: 117 vs 126 us and 164 vs 175 us with the bf16 tiles."""
-    cfg = default_config(path, num_tokens, topk, num_experts)
+    cfg = default_config(path, num_tokens, topk, num_experts, hidden)
+    gemvs = decode_gemv_tiles(num_tokens, hidden, fp8=True) if path == "small" else None
+    if gemvs:  # (their own decode GEMV tiles, beside the bf16 ones)
+        if gemvs[0]:
+            cfg["fp8_gemv1"] = gemvs[0]
+        cfg["fp8_gemv2"] = gemvs[1]
     if path == "aligned" and num_tokens * topk / max(1, num_experts) <= 16:
         tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
         cfg = {"gemm1": dict(tile), "gemm2": dict(tile)}
@@ -70,11 +83,13 @@ def _load_tuned(path: str) -> dict:
         return json.load(f)
 
 
-def get_moe_config(path: str, num_tokens: int, topk: int, num_experts: int, fp8: bool = False) -> dict:
+def get_moe_config(path: str, num_tokens: int, topk: int, num_experts: int, fp8: bool = False,
+                   hidden: int = 0) -> dict:
     """Config for one call: tuned (JSON at ``$MLA_FUSER_MOE_CONFIGS``, the ``best_configs`` format written
     by the benchmark: ``{path: {"<max_tokens>": {"gemm1": {...}, "gemm2": {...}}}}``, the smallest bucket
     >= num_tokens wins, and the aligned path's gemm1/gemm2 must share ``BLOCK_M``; it applies to block-FP8 experts
-    too) or the defaults (``fp8``: :func:`default_fp8_config`)."""
+    too; its entries may carry the decode GEMVs' ``gemv1``/``gemv2`` and ``fp8_gemv1``/``fp8_gemv2`` tiles) or the
+    defaults (``fp8``: :func:`default_fp8_config`; ``hidden`` picks the decode GEMVs' tuned row)."""
     tuned_file = envs.moe_configs_path()
     if tuned_file:
         table = _load_tuned(tuned_file).get(path, {})
@@ -84,4 +99,4 @@ def get_moe_config(path: str, num_tokens: int, topk: int, num_experts: int, fp8:
                 return table[str(b)]
         if buckets:
             return table[str(buckets[-1])]
-    return (default_fp8_config if fp8 else default_config)(path, num_tokens, topk, num_experts)
+    return (default_fp8_config if fp8 else default_config)(path, num_tokens, topk, num_experts, hidden)

@@ -1,7 +1,7 @@
 """The block-FP8 expert-grouped GEMM: ``moe_gemm_kernel`` (:mod:`.triton_kernels`) with e4m3 weights and per-expert
-block scales, weight-only; and for decode (up to ``launch.GEMV_DOWN_MAX_TOKENS`` tokens) two GEMVs instead:
-``moe_w8_up_gemv_kernel`` (GEMM1 with the activation) and the bf16 op's ``moe_down_gemv_kernel`` with ``SCALED``
-(GEMM2 with the routing weights and the combine), two launches for the whole experts forward.
+block scales, weight-only; for decode (up to ``launch.GEMV_DOWN_MAX_TOKENS`` tokens) the bf16 op's two GEMVs run
+instead, with ``SCALED`` (:mod:`.triton_kernels`: ``moe_up_gemv_kernel``, GEMM1 with the activation, and
+``moe_down_gemv_kernel``, GEMM2 with the routing weights and the combine), two launches for the whole experts forward.
 
 Why weight-only: an MoE layer at decode reads six or eight experts' weights for a handful of tokens, so it is bound
 by the bytes of weights it reads, which e4m3 halves; the activations stay in their dtype (no quantisation error
@@ -136,58 +136,3 @@ def moe_w8_gemm_kernel(
         c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
-
-@LazyJit
-def moe_w8_up_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, c_ptr, ids_ptr,
-    N, K, E,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_cm, stride_cn,
-    QBN, QBK, UP_SCALE_BASE, UP_ROW_SHIFT,
-    TOPK: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Decode-size GEMM1 as a GEMV: ``C[p, n] = act(x[p // TOPK] . G[e_p, n]) * (x[p // TOPK] . U[e_p, n])``, one
-    program per (pair, ``BLOCK_N`` rows); gate rows ``n`` and up rows ``N + n`` of the ``[E, 2N, K]`` stack.
-
-    ``BLOCK_N`` divides ``QBN`` and ``UP_ROW_SHIFT`` (checked at launch), so the gate tile and the up tile each lie in
-    one scale row and their scales vary along K only: they are folded into two copies of the activation vector
-    (``x[k] * s[row, k // QBK]``), and ``BLOCK_K`` may span several quantisation blocks.  No tensor cores: at one to
-    a few tokens an MMA would pad each pair's row to 16.  A pair whose id is outside ``[0, E)`` gets zeros."""
-    p = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    e = tl.load(ids_ptr + p)
-    limit = tl.where((e >= 0) & (e < E), K, 0)  # scalar: K for a valid expert, 0 masks every load
-    e_safe = tl.where(limit > 0, e, 0).to(tl.int64)
-    w_base = w_ptr + e_safe * stride_we
-    wg_rows = w_base + offs_n[:, None].to(tl.int64) * stride_wn
-    wu_rows = w_base + (offs_n + N)[:, None].to(tl.int64) * stride_wn
-    s_base = s_ptr + e_safe * stride_se
-    sg_row = s_base + (n0 // QBN) * stride_sn
-    su_row = s_base + (UP_SCALE_BASE + (n0 + UP_ROW_SHIFT) // QBN) * stride_sn
-    x_row = x_ptr + (p // TOPK).to(tl.int64) * stride_xm
-    acc_g = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-    acc_u = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < limit
-        w_mask = n_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-        sg = tl.load(sg_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
-        su = tl.load(su_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
-        wg = tl.load(wg_rows + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
-        wu = tl.load(wu_rows + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
-        acc_g += wg.to(tl.float32) * (x * sg)[None, :]
-        acc_u += wu.to(tl.float32) * (x * su)[None, :]
-    g = tl.reduce(acc_g, 1, SUM_COMBINE)
-    u = tl.reduce(acc_u, 1, SUM_COMBINE)
-    if ACT == 0:
-        g = g / (1.0 + tl.exp(-g))
-    elif ACT == 1:
-        g = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
-    elif ACT == 2:
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        g = g * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * inner)))
-    else:
-        g = tl.maximum(g, 0.0)
-    tl.store(c_ptr + p.to(tl.int64) * stride_cm + offs_n * stride_cn, (g * u).to(c_ptr.dtype.element_ty), mask=n_ok)

@@ -5,9 +5,9 @@ count (:func:`choose_fp8_path`: the small-batch grid per expert up to ``FP8_SMAL
 aligned grouped GEMM above), the same alignment and K-sum kernels, the bf16 op's tiles but for narrower aligned ones
 at decode sizes (``configs.default_fp8_config``), ``BLOCK_K`` capped by the quantisation block's ``bk`` (one scale
 column per K tile).  Up to ``GEMV_DOWN_MAX_TOKENS`` tokens the small path is two GEMV launches instead
-(``moe_w8_up_gemv_kernel``, and the bf16 op's ``moe_down_gemv_kernel`` with ``SCALED``: the block scales folded
-into the activations, no MMA padding of one token's row to 16, no combine launch) when a row tile of at least
-``GEMV_MIN_BLOCK_N`` fits the scale blocks (:func:`gemv_block_n`).  Not (yet) here: FP8 tensor cores with quantised activations for prefill (the
+(the bf16 op's ``moe_up_gemv_kernel`` and ``moe_down_gemv_kernel`` with ``SCALED``: the block scales folded into
+the activations, no MMA padding of one token's row to 16, no combine launch) when row tiles of at least
+``GEMV_MIN_BLOCK_N`` fit the scale blocks (:func:`gemv_block_n`).  Not (yet) here: FP8 tensor cores with quantised activations for prefill (the
 block-FP8 linear's large-batch path).
 
 CPU tensors (and autograd, and block sizes without a power-of-two divisor >= 16) run the torch reference
@@ -22,17 +22,16 @@ import torch
 
 from ... import envs
 from ..dispatch import cdiv, kernel_op, next_pow2, on_tensor_device, triton_interpreting, use_triton
-from .fp8_kernels import moe_w8_gemm_kernel, moe_w8_up_gemv_kernel
+from .fp8_kernels import moe_w8_gemm_kernel
 from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
-from .launch import _choose_path, _tiles, align_tokens_to_experts, gemv_down_max_tokens, launch_down_gemv
+from .launch import (_choose_path, _tiles, align_tokens_to_experts, gemv_down_max_tokens, launch_down_gemv,
+                     launch_up_gemv)
 from .reference import activation_code
 from .triton_kernels import moe_combine_kernel
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# the decode GEMVs' tiles (``config`` keys "fp8_gemv1" / "fp8_gemv2" override them): rows by K columns per step.  On
-# an H200 (``bench_fp8_gemm.py --gemv-sweep``, one V2-Lite MoE layer at 1 and 4 tokens) 1.01x of the best tile of each
-# size; the two GEMVs take 28.5 us at one token against 47 us for the small path's GEMMs + combine and 37.5 us for
-# bf16 ``fused_experts`` (``fp8_experts_decode.json``)
+# the decode GEMVs' tile where neither the config (keys "fp8_gemv1" / "fp8_gemv2") nor the tuned table
+# (``gemv_tiles``, per layer size and token count: ``configs.default_fp8_config``) gives one: rows by K columns per step
 FP8_GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=2)
 GEMV_MIN_BLOCK_N = 4
 # "auto" runs the small path up to this many tokens (the bf16 op: ``launch.SMALL_BATCH_MAX_TOKENS``, 16), the aligned
@@ -51,36 +50,26 @@ def triton_supported(hidden: torch.Tensor, gate_up_block, down_block) -> bool:
     return hidden.dtype in KERNEL_DTYPES and all(_pow2_divisor(b[1], 128) >= 16 for b in (gate_up_block, down_block))
 
 
-def gemv_block_n(wanted: int, gate_up_block, down_block, up_row_shift: int) -> int:
-    """The decode GEMVs' row tile: ``wanted`` capped so that it divides both stacks' scale-block rows and the up
-    half's row shift (a tile then lies in one scale row); 0 below ``GEMV_MIN_BLOCK_N`` (the GEMVs are not taken)."""
-    tile = _pow2_divisor(gate_up_block[0], _pow2_divisor(down_block[0], wanted))
+def gemv_block_n(wanted: int, block, up_row_shift: int = 0) -> int:
+    """A decode GEMV's row tile over a stack of scale blocks ``block``: ``wanted`` capped so that it divides the
+    block's rows and, for the gate/up stack, the up half's row shift (a tile then lies in one scale row); 0 below
+    ``GEMV_MIN_BLOCK_N`` (the GEMVs are not taken)."""
+    tile = _pow2_divisor(block[0], wanted)
     if up_row_shift:
         tile = _pow2_divisor(up_row_shift, tile)
     return tile if tile >= GEMV_MIN_BLOCK_N else 0
 
 
 def launch_w8_gemvs(*, x, gate_up_w, gate_up_scale, down_w, down_scale, flat_ids, routing, out, topk, act,
-                    gate_up_block, down_block, up_scale_base, up_row_shift, block_n, gemv1, gemv2, num_experts):
+                    gate_up_block, down_block, up_scale_base, up_row_shift, gemv1, gemv2, num_experts):
     """The decode path: GEMM1 + activation as one GEMV launch into ``[pairs, I]``, GEMM2 + routing weights + combine
-    as another into ``out``."""
-    num_tokens, hidden = x.shape
+    as another into ``out``; ``gemv1`` / ``gemv2`` their tiles, row tiles already fitted (:func:`gemv_block_n`)."""
     inter = down_w.shape[2]
-    num_pairs = flat_ids.numel()
-    inter_buf = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    bk1 = min(gemv1["BLOCK_K"], next_pow2(hidden))
-    moe_w8_up_gemv_kernel[(num_pairs, cdiv(inter, block_n))](
-        x, gate_up_w, gate_up_scale, inter_buf, flat_ids,
-        inter, hidden, num_experts,
-        x.stride(0), x.stride(1), gate_up_w.stride(0), gate_up_w.stride(1), gate_up_w.stride(2),
-        gate_up_scale.stride(0), gate_up_scale.stride(1), gate_up_scale.stride(2),
-        inter_buf.stride(0), inter_buf.stride(1),
-        gate_up_block[0], gate_up_block[1], up_scale_base, up_row_shift,
-        TOPK=topk, ACT=act, BLOCK_N=block_n, BLOCK_K=bk1,
-        num_warps=gemv1.get("num_warps", 4), num_stages=gemv1.get("num_stages", 2),
-    )  # fmt: skip
-    down_cfg = dict(gemv2, BLOCK_N=block_n, BLOCK_K=min(gemv2["BLOCK_K"], next_pow2(inter)))
-    launch_down_gemv(inter_buf, down_w, None, out, flat_ids, routing, topk, num_experts, down_cfg,
+    inter_buf = torch.empty(flat_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    launch_up_gemv(x, gate_up_w, None, inter_buf, flat_ids, topk, num_experts, act, False, gemv1,
+                   gate_up_scale=gate_up_scale, gate_up_block=gate_up_block, up_scale_base=up_scale_base,
+                   up_row_shift=up_row_shift)
+    launch_down_gemv(inter_buf, down_w, None, out, flat_ids, routing, topk, num_experts, gemv2,
                      down_scale=down_scale, down_block=down_block)
     return out
 
@@ -133,20 +122,22 @@ def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scal
     if num_pairs == 0:
         return out.zero_()
     path = choose_fp8_path(path, num_tokens, num_pairs)
-    cfg = config if config is not None else _tiles(path, num_tokens, topk, num_experts, envs.moe_configs_path(), True)
+    cfg = config if config is not None else _tiles(path, num_tokens, topk, num_experts, envs.moe_configs_path(), True,
+                                                   hidden_size)
     x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()
     routing = topk_weights.reshape(-1).contiguous()
     shift = inter if up_row_shift is None else up_row_shift
     if decode_gemv and path == "small" and num_tokens <= gemv_down_max_tokens():
         gemv1, gemv2 = cfg.get("fp8_gemv1", FP8_GEMV_CONFIG), cfg.get("fp8_gemv2", FP8_GEMV_CONFIG)
-        block_n = gemv_block_n(min(gemv1["BLOCK_N"], gemv2["BLOCK_N"]), gate_up_block, down_block, shift)
-        if block_n:
+        up_n = gemv_block_n(gemv1["BLOCK_N"], gate_up_block, shift)
+        down_n = gemv_block_n(gemv2["BLOCK_N"], down_block)
+        if up_n and down_n:
             return launch_w8_gemvs(
                 x=x, gate_up_w=gate_up_w, gate_up_scale=gate_up_scale, down_w=down_w, down_scale=down_scale,
                 flat_ids=flat_ids, routing=routing, out=out, topk=topk, act=act, gate_up_block=gate_up_block,
-                down_block=down_block, up_scale_base=up_scale_base, up_row_shift=shift, block_n=block_n,
-                gemv1=gemv1, gemv2=gemv2, num_experts=num_experts,
+                down_block=down_block, up_scale_base=up_scale_base, up_row_shift=shift,
+                gemv1=dict(gemv1, BLOCK_N=up_n), gemv2=dict(gemv2, BLOCK_N=down_n), num_experts=num_experts,
             )  # fmt: skip
     align = None
     if path == "aligned":

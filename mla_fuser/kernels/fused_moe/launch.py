@@ -17,7 +17,8 @@ from ... import envs
 from ..dispatch import cdiv, next_pow2, on_tensor_device, triton_interpreting, use_triton
 from .configs import default_config, get_moe_config
 from .reference import activation_code, align_tokens_to_experts_ref, check_shapes, max_padded_pairs
-from .triton_kernels import moe_align_kernel, moe_combine_kernel, moe_down_gemv_kernel, moe_gemm_kernel
+from .triton_kernels import (moe_align_kernel, moe_combine_kernel, moe_down_gemv_kernel, moe_gemm_kernel,
+                             moe_up_gemv_kernel)
 
 # Up to this many tokens the decode (small-batch) path runs; env override MLA_FUSER_MOE_SMALL_BATCH_TOKENS (read per
 # call).  H200, DeepSeek-V2-Lite layer, eager: small vs aligned = 0.071 vs 0.148 ms at 1 token, 0.112 vs 0.181 at 4,
@@ -170,6 +171,30 @@ def _scan_p(num_pairs: int) -> int:
     return min(512, max(16, next_pow2(num_pairs)))
 
 
+def launch_up_gemv(x, gate_up_w, gate_up_bias, inter_buf, flat_ids, topk, num_experts, act, interleaved, cfg,
+                   warmup=False, gate_up_scale=None, gate_up_block=None, up_scale_base=0, up_row_shift=0):
+    """Launch the decode path's GEMM1 + activation GEMV (``moe_up_gemv_kernel``) into ``inter_buf [pairs, I]``.
+    ``gate_up_scale`` / ``gate_up_block``: a block-FP8 stack's fp32 scales and ``(bn, bk)``, with the up half's scale
+    rows placed by ``up_scale_base`` / ``up_row_shift``; ``cfg["BLOCK_N"]`` must divide ``bn`` and the shift."""
+    num_pairs, inter = inter_buf.shape
+    grid = (num_pairs, cdiv(inter, cfg["BLOCK_N"]))
+    kernel = moe_up_gemv_kernel.get()
+    launch = functools.partial(kernel.warmup, grid=grid) if warmup else on_tensor_device(kernel[grid])
+    has_bias, scaled = gate_up_bias is not None, gate_up_scale is not None
+    launch(
+        x, gate_up_w, gate_up_bias if has_bias else inter_buf, inter_buf, flat_ids,
+        inter, x.shape[1], num_experts,
+        x.stride(0), x.stride(1), gate_up_w.stride(0), gate_up_w.stride(1), gate_up_w.stride(2),
+        gate_up_bias.stride(0) if has_bias else 0, gate_up_bias.stride(1) if has_bias else 0,
+        inter_buf.stride(0), inter_buf.stride(1),
+        gate_up_scale if scaled else inter_buf, *(gate_up_scale.stride() if scaled else (0, 0, 0)),
+        *(gate_up_block if scaled else (1, 1)), up_scale_base, up_row_shift,
+        TOPK=topk, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=has_bias, SCALED=scaled,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=min(cfg["BLOCK_K"], next_pow2(x.shape[1])),
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
+    )  # fmt: skip
+
+
 def launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk, num_experts, cfg, warmup=False,
                      down_scale=None, down_block=None):
     """Launch the small path's GEMM2 + K-sum GEMV (``moe_down_gemv_kernel``) into ``out [T, H]``.  ``down_scale`` /
@@ -187,22 +212,24 @@ def launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk,
         out.stride(0), out.stride(1),
         down_scale if scaled else out, *(down_scale.stride() if scaled else (0, 0, 0)),
         *(down_block if scaled else (1, 1)),
-        TOPK=topk, HAS_BIAS=has_bias, SCALED=scaled, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        TOPK=topk, HAS_BIAS=has_bias, SCALED=scaled, BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=min(cfg["BLOCK_K"], next_pow2(inter_buf.shape[1])),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)
-def _tiles(path: str, num_tokens: int, topk: int, num_experts: int, tuned_file, fp8: bool = False) -> dict:
+def _tiles(path: str, num_tokens: int, topk: int, num_experts: int, tuned_file, fp8: bool = False,
+           hidden: int = 0) -> dict:
     """``get_moe_config`` for one shape (``fp8``: of block-FP8 experts), asked once: keyed by the tuned file the
     variable names at the call (read per call; a file is parsed once), so a changed ``MLA_FUSER_MOE_CONFIGS`` is
     still honoured.  Read only."""
-    return get_moe_config(path, num_tokens, topk, num_experts, fp8=fp8)
+    return get_moe_config(path, num_tokens, topk, num_experts, fp8=fp8, hidden=hidden)
 
 
 @functools.lru_cache(maxsize=256)
-def _default_gemv(num_tokens: int, topk: int, num_experts: int) -> dict:
-    return default_config("small", num_tokens, topk, num_experts)["gemv2"]
+def _default_gemv(num_tokens: int, topk: int, num_experts: int, hidden: int) -> dict:
+    return default_config("small", num_tokens, topk, num_experts, hidden)["gemv2"]
 
 
 def _choose_path(path: str, num_tokens: int, num_pairs: int, max_tokens: int = SMALL_BATCH_MAX_TOKENS) -> str:
@@ -234,8 +261,9 @@ def fused_experts_triton(
     config: Optional[dict] = None,
 ) -> torch.Tensor:
     """The Triton implementation (no dispatch); ``path`` in {"auto", "small", "aligned"}; ``config``
-    ``{"gemm1": {...}, "gemm2": {...}, "gemv2": {...}}`` overrides the tile configs (benchmark sweeps;
-    ``gemv2`` is the small path's down+combine GEMV used up to ``GEMV_DOWN_MAX_TOKENS`` tokens).  For the
+    ``{"gemm1": {...}, "gemm2": {...}, "gemv1": {...}, "gemv2": {...}}`` overrides the tile configs (benchmark
+    sweeps).  Up to ``GEMV_DOWN_MAX_TOKENS`` tokens the small path's down projection + combine is a GEMV
+    (``gemv2``), and its gate/up projection too where the config has a ``gemv1`` tile (else its GEMM runs).  For the
     aligned path both GEMMs must use the same ``BLOCK_M`` (they share one alignment)."""
     num_tokens, hidden_size, num_experts, inter, topk = check_shapes(
         hidden, gate_up_w, down_w, topk_ids, topk_weights, gate_up_bias, down_bias
@@ -246,7 +274,8 @@ def fused_experts_triton(
     if num_pairs == 0:
         return out.zero_()
     path = _choose_path(path, num_tokens, num_pairs)
-    cfg = config if config is not None else _tiles(path, num_tokens, topk, num_experts, envs.moe_configs_path())
+    cfg = config if config is not None else _tiles(path, num_tokens, topk, num_experts, envs.moe_configs_path(),
+                                                   False, hidden_size)
     wdtype = gate_up_w.dtype
     x = hidden if hidden.dtype == wdtype else hidden.to(wdtype)
     flat_ids = topk_ids.reshape(-1)
@@ -264,13 +293,18 @@ def fused_experts_triton(
         align = align_tokens_to_experts(flat_ids, num_experts, block_m)
 
     inter_buf = torch.empty(num_pairs, inter, dtype=wdtype, device=hidden.device)
-    launch_gemm(
-        a=x, w=gate_up_w, bias=gate_up_bias, c=inter_buf, flat_ids=flat_ids, routing=None, align=align,
-        num_pairs=num_pairs, n_out=inter, k_dim=hidden_size, a_row_div=topk, gated=True,
-        interleaved=interleaved, act=act, cfg=cfg["gemm1"], num_experts=num_experts,
-    )  # fmt: skip
-    if path == "small" and num_tokens <= gemv_down_max_tokens():
-        gv = cfg.get("gemv2") or _default_gemv(num_tokens, topk, num_experts)
+    decode_gemvs = path == "small" and num_tokens <= gemv_down_max_tokens()
+    if decode_gemvs and cfg.get("gemv1"):
+        launch_up_gemv(x, gate_up_w, gate_up_bias, inter_buf, flat_ids, topk, num_experts, act, interleaved,
+                       cfg["gemv1"])
+    else:
+        launch_gemm(
+            a=x, w=gate_up_w, bias=gate_up_bias, c=inter_buf, flat_ids=flat_ids, routing=None, align=align,
+            num_pairs=num_pairs, n_out=inter, k_dim=hidden_size, a_row_div=topk, gated=True,
+            interleaved=interleaved, act=act, cfg=cfg["gemm1"], num_experts=num_experts,
+        )  # fmt: skip
+    if decode_gemvs:
+        gv = cfg.get("gemv2") or _default_gemv(num_tokens, topk, num_experts, hidden_size)
         launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk, num_experts, gv)
         return out
     pair_out = torch.empty(num_pairs, hidden_size, dtype=wdtype, device=hidden.device)

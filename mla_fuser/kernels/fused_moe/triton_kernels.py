@@ -346,3 +346,80 @@ def moe_down_gemv_kernel(
             b = tl.load(bias_ptr + e_safe * stride_be + offs_n * stride_bn, mask=offs_n < limit, other=0.0)
             out += wgt * b.to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n * stride_on, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@LazyJit
+def moe_up_gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, c_ptr, ids_ptr,
+    N, K, E,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_cm, stride_cn,
+    s_ptr, stride_se, stride_sn, stride_sk, QBN, QBK, UP_SCALE_BASE, UP_ROW_SHIFT,
+    TOPK: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Decode-size GEMM1 as a GEMV: ``C[p, n] = act(x[p // TOPK] . G[e_p, n] + bg) * (x[p // TOPK] . U[e_p, n] + bu)``,
+    one program per (pair, ``BLOCK_N`` rows).  Gate row ``n`` and up row ``N + n`` of the ``[E, 2N, K]`` stack, or
+    rows ``2n`` and ``2n + 1`` (``INTERLEAVED``).  No tensor cores: at one to a few tokens an MMA pads each pair's
+    row to 16, and the GEMV reads the same bytes with every row tile's loads in flight.  A pair whose id is outside
+    ``[0, E)`` gets zeros.
+
+    ``SCALED``: block-FP8 gate/up stacks (e4m3 ``w``, fp32 scales ``s[e, row // QBN, k // QBK]``; the up half's scale
+    rows start at ``UP_SCALE_BASE`` and its row ``n`` sits ``UP_ROW_SHIFT`` rows into them; not interleaved, no
+    bias).  ``BLOCK_N`` divides ``QBN`` and ``UP_ROW_SHIFT`` (the launcher's business), so the gate tile and the up
+    tile each lie in one scale row and their scales vary along K only: they are folded into two copies of the
+    activation vector (``x[k] * s[row, k // QBK]``), and ``BLOCK_K`` may span several quantisation blocks."""
+    p = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    e = tl.load(ids_ptr + p)
+    limit = tl.where((e >= 0) & (e < E), K, 0)  # scalar: K for a valid expert, 0 masks every load
+    e_safe = tl.where(limit > 0, e, 0).to(tl.int64)
+    if INTERLEAVED:
+        g_rows = 2 * offs_n
+        u_rows = 2 * offs_n + 1
+    else:
+        g_rows = offs_n
+        u_rows = offs_n + N
+    w_base = w_ptr + e_safe * stride_we
+    wg_rows = w_base + g_rows[:, None].to(tl.int64) * stride_wn
+    wu_rows = w_base + u_rows[:, None].to(tl.int64) * stride_wn
+    if SCALED:
+        s_base = s_ptr + e_safe * stride_se
+        sg_row = s_base + (n0 // QBN) * stride_sn
+        su_row = s_base + (UP_SCALE_BASE + (n0 + UP_ROW_SHIFT) // QBN) * stride_sn
+    x_row = x_ptr + (p // TOPK).to(tl.int64) * stride_xm
+    acc_g = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    acc_u = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < limit
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+        wg = tl.load(wg_rows + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
+        wu = tl.load(wu_rows + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
+        if SCALED:
+            sg = tl.load(sg_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
+            su = tl.load(su_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
+            acc_g += wg.to(tl.float32) * (x * sg)[None, :]
+            acc_u += wu.to(tl.float32) * (x * su)[None, :]
+        else:
+            acc_g += wg.to(tl.float32) * x[None, :]
+            acc_u += wu.to(tl.float32) * x[None, :]
+    g = tl.reduce(acc_g, 1, SUM_COMBINE)
+    u = tl.reduce(acc_u, 1, SUM_COMBINE)
+    if HAS_BIAS:
+        b_ok = offs_n < tl.where(limit > 0, N, 0)  # (nothing for an invalid expert)
+        b_base = bias_ptr + e_safe * stride_be
+        g += tl.load(b_base + g_rows * stride_bn, mask=b_ok, other=0.0).to(tl.float32)
+        u += tl.load(b_base + u_rows * stride_bn, mask=b_ok, other=0.0).to(tl.float32)
+    if ACT == 0:
+        g = g / (1.0 + tl.exp(-g))
+    elif ACT == 1:
+        g = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    elif ACT == 2:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        g = g * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * inner)))
+    else:
+        g = tl.maximum(g, 0.0)
+    tl.store(c_ptr + p.to(tl.int64) * stride_cm + offs_n * stride_cn, (g * u).to(c_ptr.dtype.element_ty), mask=n_ok)
