@@ -45,8 +45,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "tokens up to which the fused MoE kernel takes its small-batch (expert-grouped) path (default 16; 4 for "
              "block-FP8 experts)"),
     Variable("MLA_FUSER_MOE_GEMV_TOKENS", "int", None,
-             "tokens up to which the small-batch MoE path fuses the down projection with the top-k sum (default 4; "
-             "block-FP8 experts then run both projections as GEMVs)"),
+             "tokens up to which the small-batch MoE path runs decode GEMVs (default 4): the down projection fused "
+             "with the top-k sum, and the gate/up projection where the tuned tile table has a tile for it "
+             "(block-FP8 experts: always)"),
     Variable("MLA_FUSER_MOE_CONFIGS", "path", None,
              "JSON of tuned MoE tiles (the `best_configs` format `benchmarks/bench_fused_moe.py` writes)"),
     Variable("MLA_FUSER_DECODE_TILES", "path", None,
