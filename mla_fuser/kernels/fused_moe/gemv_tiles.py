@@ -3,8 +3,8 @@
 At one to a few tokens the small path's two launches are GEMVs (``moe_up_gemv_kernel``: gate/up + activation;
 ``moe_down_gemv_kernel``: down + routing weights + combine), bound by the expert weights they read.  Their best tiles
 depend on the token count, the dtype (bf16 or block-FP8 weights) and the layer's size: on an H200 the FP8 down GEMV's
-best tile at two tokens ran 16 us on a DeepSeek-V2-Lite layer (hidden 2048) and, on a V3-shaped one (hidden 7168),
-1.8x slower than that shape's best.  So ``benchmarks/tune_moe_gemv.py --table`` writes one row per measured hidden
+best tile at two tokens on a DeepSeek-V2-Lite layer (hidden 2048; 16 us) ran 2.3x slower than the best one on a
+V3-shaped layer (hidden 7168; ``benchmarks/results/moe_decode_gemv_tables.json``).  So ``benchmarks/tune_moe_gemv.py --table`` writes one row per measured hidden
 size, and a layer takes the row of the nearest hidden size (by ratio).  In a row, per dtype, token buckets (the
 smallest bucket >= the tokens serves them; none past the last): ``gemv2`` always, ``gemv1`` only where the GEMV beat
 the GEMM it replaces in that sweep (bf16; the FP8 GEMM1 has no such rival at decode sizes).
