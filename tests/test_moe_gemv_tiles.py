@@ -96,3 +96,41 @@ def test_default_configs_carry_the_table():
             assert fp8["gemv2"] == gemv2
     assert "gemv1" not in configs.default_config("small", 16, 6, 64, 2048)
     assert "fp8_gemv2" not in configs.default_fp8_config("aligned", 4, 6, 64, 2048)
+
+
+def test_the_tuning_script_writes_what_the_table_reader_reads(tmp_path):
+    """``benchmarks/tune_moe_gemv.py``: per shape and bucket the tile with the least worst-case regret, the bf16 up
+    GEMV kept only where it beat the GEMM, written in the format :mod:`gemv_tiles` reads back."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "tune_moe_gemv.py")
+    spec = importlib.util.spec_from_file_location("tune_moe_gemv", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+
+    def rec(shape, kernel, dtype, tokens, bn, ms, err=0.0):
+        return dict(shape=shape, kernel=kernel, dtype=dtype, tokens=tokens, BLOCK_N=bn, BLOCK_K=512, num_warps=4,
+                    num_stages=2, rel_err=err, ms=ms)
+
+    records = []
+    for shape, scale in (("v2lite", 1.0), ("v3", 5.0)):
+        for tokens in tune.TOKENS:
+            records.append(dict(shape=shape, kernel="gemm1", dtype="bf16", tokens=tokens, rel_err=0.0,
+                                ms=scale * (2.0 if tokens == 1 else 1.0)))
+            for dtype in ("bf16", "fp8"):
+                for kernel in ("up", "down"):
+                    # tile 4 is fastest at one token, tile 8 elsewhere; tile 16 fastest of all but wrong
+                    records.append(rec(shape, kernel, dtype, tokens, 4, scale * (1.0 if tokens == 1 else 1.6)))
+                    records.append(rec(shape, kernel, dtype, tokens, 8, scale * (1.2 if tokens == 1 else 1.5)))
+                    records.append(rec(shape, kernel, dtype, tokens, 16, scale * 0.5, err=0.5))
+    _, tables = tune.choose(records)
+    assert tables["v2lite"]["fp8"]["1"]["gemv2"]["BLOCK_N"] == 4
+    assert tables["v2lite"]["fp8"]["4"]["gemv2"]["BLOCK_N"] == 8  # (never the wrong tile 16)
+    assert tables["v3"]["bf16"]["1"]["gemv1"]["beats_gemm1"]  # 1.0 against the GEMM's 2.0
+    assert not tables["v3"]["bf16"]["2"]["gemv1"]["beats_gemm1"]  # 1.5 against 1.0
+    out = _write(tmp_path, tune.package_table(tables, "test"))
+    want_up = dict(TILE, BLOCK_N=4)
+    assert gemv_tiles.decode_gemv_tiles(1, 2048, path=out) == (want_up, want_up)
+    assert gemv_tiles.decode_gemv_tiles(2, 7168, path=out) == (None, dict(TILE, BLOCK_N=8))  # the GEMM won there
+    assert gemv_tiles.decode_gemv_tiles(4, 7168, fp8=True, path=out) == (dict(TILE, BLOCK_N=8), dict(TILE, BLOCK_N=8))
