@@ -147,6 +147,7 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
     import torch
     from mla_fuser.kernels.fused_moe import (fused_experts, fused_experts_fp8, fused_experts_fp8_ref,
                                              fused_experts_fp8_triton, fused_experts_triton)
+    from mla_fuser.kernels.fused_moe.configs import get_moe_config
     from mla_fuser.kernels.fused_moe.fp8_launch import choose_fp8_path
     from mla_fuser.kernels.fused_moe.launch import _choose_path, gemv_down_max_tokens
 
@@ -177,6 +178,12 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
         if t <= gemv_down_max_tokens():
             variants["fp8_gemms_f16act"] = lambda i: fused_experts_fp8_triton(xh, q1, s1, q2, s2, *routes[i],
                                                                               **layout, decode_gemv=False)
+        # the same for bf16 activations, scaled into fp16 in the kernel ("f16_dot" tiles; no default sets them yet)
+        fp8_path = choose_fp8_path("auto", t, t * k)
+        tiles = get_moe_config(fp8_path, t, k, shape["num_experts"], fp8=True, hidden=h)
+        f16_tiles = dict(tiles, gemm1=dict(tiles["gemm1"], f16_dot=True), gemm2=dict(tiles["gemm2"], f16_dot=True))
+        variants["fp8_gemms_f16dot"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
+                                                                          config=f16_tiles, decode_gemv=False)
         row = {"tokens": t, "experts_picked": picked, "path": _choose_path("auto", t, t * k),
                "fp8_path": choose_fp8_path("auto", t, t * k)}
         for label, fn in variants.items():
@@ -193,7 +200,7 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
             except Exception as exc:  # record and go on
                 row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                 traceback.print_exc()
-        for label in ("fp8", "fp8_gemms", "fp8_f16act", "fp8_gemms_f16act"):
+        for label in ("fp8", "fp8_gemms", "fp8_f16act", "fp8_gemms_f16act", "fp8_gemms_f16dot"):
             if f"{label}_ms" in row and "bf16_ms" in row:
                 row[f"{label}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{label}_ms"]
         result["rows"].append(row)

@@ -79,6 +79,33 @@ def test_fp8_kernel_matches_reference(monkeypatch, path, dtype, inter, block, ha
     _close(out, ref, dtype)
 
 
+@needs_triton
+@pytest.mark.parametrize("path", ["small", "aligned"])
+def test_f16_dots_keep_every_row_exact(monkeypatch, path):
+    """``"f16_dot"`` tiles (bf16 activations, fp16 dot operands): rows far outside fp16's range (1e6), far below its
+    normal range (1e-7) and empty ones (a sentinel's) come out as the fp32 reference does, each row within bf16
+    rounding of its own magnitude; without the per-row power-of-two scaling the large rows would overflow to inf."""
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    num_experts, hidden, inter, tokens, topk = 4, 48, 32, 6, 2
+    stacks, layout = _stacks(num_experts, hidden, inter, (16, 16), True)
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.tensor([1.0, 1e6, 1e-7, 3.0, 1e5, 1e-3])[:, None]
+    x = (torch.randn(tokens, hidden, generator=gen) * rows).to(torch.bfloat16)
+    ids = torch.randint(0, num_experts, (tokens, topk), generator=gen)
+    ids[3] = num_experts  # a row of sentinels: nothing to compute
+    w = torch.rand(tokens, topk, generator=gen)
+    ref = fm.fused_experts_fp8_ref(x, *stacks, ids, w, **layout).float()
+    tiles = {k: dict(v, f16_dot=True) for k, v in TINY.items()}
+    dev = [t.to(DEVICE) for t in (x, *stacks, ids, w)]
+    out = fm.fused_experts_fp8_triton(*dev, path=path, config=tiles, decode_gemv=False, **layout).cpu().float()
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    for t in (0, 1, 2, 4, 5):
+        scale = ref[t].abs().max()
+        assert scale > 0 and ((out[t] - ref[t]).abs().max() / scale).item() <= 2e-2, t
+
+
 GEMV_TILES = {"fp8_gemv1": dict(BLOCK_N=8, BLOCK_K=32), "fp8_gemv2": dict(BLOCK_N=8, BLOCK_K=16)}
 
 

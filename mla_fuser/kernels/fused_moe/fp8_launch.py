@@ -82,7 +82,9 @@ def choose_fp8_path(path: str, num_tokens: int, num_pairs: int) -> str:
 
 def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out, k_dim, a_row_div, gated, act,
                    block, cfg, num_experts, up_scale_base=0, up_row_shift=0):
-    """One block-FP8 expert-grouped GEMM (GEMM1 if ``gated`` else GEMM2); ``align`` None = small path."""
+    """One block-FP8 expert-grouped GEMM (GEMM1 if ``gated`` else GEMM2); ``align`` None = small path.  A tile config
+    with ``"f16_dot": True`` runs bf16 activations' dots on fp16 operands (``moe_w8_gemm_kernel``'s ``F16_DOT``; no
+    default config sets it yet: measured only through fp16 activations, ``fp8_experts_f16act.json``)."""
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     block_k = min(cfg["BLOCK_K"], _pow2_divisor(block[1], 128))
     if align is None:
@@ -101,6 +103,7 @@ def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out
         block[0], block[1], up_scale_base, up_row_shift,
         A_ROW_DIV=a_row_div, ALIGNED=align is not None, GATED=gated, MUL_ROUTING=routing is not None, ACT=act,
         IEEE=a.dtype == torch.float32, UPCAST=not a.is_cuda and triton_interpreting(),
+        F16_DOT=bool(cfg.get("f16_dot")) and a.dtype == torch.bfloat16,
         SCAN_P=cfg.get("SCAN_P", min(512, max(16, next_pow2(num_pairs)))),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.get("GROUP_M", 1),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
