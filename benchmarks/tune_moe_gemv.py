@@ -4,7 +4,7 @@ At one to four tokens the small path of ``fused_experts`` / ``fused_experts_fp8`
 ``moe_up_gemv_kernel`` (gate/up projection + activation; for bf16 it replaces the small path's GEMM1) and
 ``moe_down_gemv_kernel`` (down projection + routing weights + combine).  Both are bound by the bytes of expert weights
 they read, so their tiles decide how much of the copy bandwidth they reach.  This script times every tile of
-``GRID`` for each kernel, dtype and token count on one DeepSeek-V2-Lite MoE layer (64 experts, hidden 2048,
+``GRID`` (and for FP8 ``MMA_GRID``, the GEMVs' fp16 tensor-core variant) for each kernel, dtype and token count on one DeepSeek-V2-Lite MoE layer (64 experts, hidden 2048,
 intermediate 1408, top-6) and, with ``--shapes v2lite,v3``, a DeepSeek-V3-shaped one (hidden 7168, intermediate
 2048, top-8): random routings, each call another one, in one CUDA graph; beside the bf16 GEMM1 the up GEMV may
 replace; every tile's output checked against the first one's (the same products, another summation order).
@@ -39,7 +39,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 GRID = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
         for bn, bk, w, st in itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8), (1, 2, 3))]
+# the FP8 GEMVs' fp16 tensor-core variant (``"mma"``: row tiles of 16 at least, K tiles within one scale column)
+MMA_GRID = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, mma=True)
+            for bn, bk, w, st in itertools.product((16, 32, 64), (64, 128), (2, 4, 8), (1, 2, 3))]
 DRY_GRID = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=2) for bn, bk in ((8, 16), (16, 32))]
+DRY_MMA_GRID = [dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2, mma=True)]
+KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "mma")
+
+
+def tile_of(record) -> tuple:
+    """A record's tile as a hashable tuple (``mma`` False where absent)."""
+    return tuple(bool(record.get(k, False)) if k == "mma" else record[k] for k in KEYS)
 TOKENS = (1, 2, 4)
 BUCKETS = {1: (1,), 2: (2,), 4: (3, 4)}  # table bucket -> the token counts it serves (3 is timed as 4's nearest)
 V3 = dict(num_experts=32, hidden=7168, inter=2048, topk=8)  # (32 of V3's 256 experts: the per-expert shape counts)
@@ -145,21 +155,20 @@ def grids(args):
     """``{(kernel, dtype): [tile, ...]}``: the whole ``GRID``, or a previous run's ``--top`` tiles per (kernel,
     dtype, tokens) with ``OLD_DEFAULT``."""
     if args.dry_run:
-        return {(k, d): DRY_GRID for k in ("up", "down") for d in ("bf16", "fp8")}
+        return {(k, d): DRY_GRID + (DRY_MMA_GRID if d == "fp8" else []) for k in ("up", "down") for d in ("bf16", "fp8")}
     if not args.candidates:
-        return {(k, d): GRID for k in ("up", "down") for d in ("bf16", "fp8")}
+        return {(k, d): GRID + (MMA_GRID if d == "fp8" else []) for k in ("up", "down") for d in ("bf16", "fp8")}
     with open(args.candidates) as f:
         records = json.load(f)["records"]
-    keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
     out = {}
     for kernel in ("up", "down"):
         for dtype in ("bf16", "fp8"):
-            tiles = [tuple(OLD_DEFAULT[k] for k in keys)]
+            tiles = [tile_of(OLD_DEFAULT)]
             for tokens in TOKENS:
                 rows = sorted((r for r in records if (r["kernel"], r["dtype"], r["tokens"]) == (kernel, dtype, tokens)
                                and r["rel_err"] <= 2e-2), key=lambda r: r["ms"])
-                tiles += [tuple(r[k] for k in keys) for r in rows[:args.top]]
-            out[(kernel, dtype)] = [dict(zip(keys, t)) for t in dict.fromkeys(tiles)]
+                tiles += [tile_of(r) for r in rows[:args.top]]
+            out[(kernel, dtype)] = [{k: v for k, v in zip(KEYS, t) if k != "mma" or v} for t in dict.fromkeys(tiles)]
     return out
 
 
@@ -243,7 +252,7 @@ def choose(records):
             continue
         key = (r["kernel"], r["dtype"], case)
         best[key] = min(best.get(key, float("inf")), r["ms"])
-        tile = (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["num_stages"])
+        tile = tile_of(r)
         by_tile.setdefault((r["kernel"], r["dtype"], tile), {})[case] = r["ms"]
     shapes = sorted({r["shape"] for r in records})
     chosen = {}
@@ -259,11 +268,12 @@ def choose(records):
                     chosen[key] = (tile, regret, cases)
     tables = {}
     for (shape, kernel, dtype, bucket), (tile, regret, cases) in sorted(chosen.items()):
-        cfg = dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), tile), worst_vs_best=round(regret, 4))
+        cfg = {k: v for k, v in zip(KEYS, tile) if k != "mma" or v}
+        cfg["worst_vs_best"] = round(regret, 4)
         if (kernel, dtype) == ("up", "bf16"):
             times = by_tile[(kernel, dtype, tile)]
             cfg["beats_gemm1"] = all(times[c] < gemm1[c] for c in cases)
-            cfg["vs_gemm1"] = round(max(times[c] / gemm1[c] for c in cases), 4)
+            cfg["vs_gemm1"] = round(max(times[c] / max(gemm1[c], 1e-12) for c in cases), 4)
         entry = tables.setdefault(shape, {}).setdefault(dtype, {}).setdefault(str(bucket), {})
         entry["gemv1" if kernel == "up" else "gemv2"] = cfg
     return {"/".join(map(str, (k, d, *c))): v for (k, d, c), v in best.items()}, tables
@@ -272,16 +282,18 @@ def choose(records):
 def package_table(tables, source):
     """``tables`` as ``mla_fuser/kernels/tuned/moe_decode_gemv.json`` (:mod:`mla_fuser.kernels.fused_moe.gemv_tiles`):
     a row per shape's hidden size; the bf16 ``gemv1`` only where it beat the GEMM."""
-    keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    def tile(cfg):
+        return {k: cfg[k] for k in KEYS if k in cfg}
+
     rows = {}
     for shape, dtypes in tables.items():
         hidden = str(SHAPES[shape]["hidden"])
         for dtype, buckets in dtypes.items():
             for bucket, entry in buckets.items():
-                out = {"gemv2": {k: entry["gemv2"][k] for k in keys}}
+                out = {"gemv2": tile(entry["gemv2"])}
                 up = entry.get("gemv1")
                 if up and up.get("beats_gemm1", True):
-                    out["gemv1"] = {k: up[k] for k in keys}
+                    out["gemv1"] = tile(up)
                 rows.setdefault(hidden, {}).setdefault(dtype, {})[bucket] = out
     return {"source": source, "hidden": rows}
 

@@ -147,6 +147,60 @@ def test_decode_gemvs_match_reference(monkeypatch, dtype, tokens, inter, block, 
     _close(out, ref, dtype)
 
 
+MMA_TILES = {"fp8_gemv1": dict(BLOCK_N=16, BLOCK_K=64, mma=True), "fp8_gemv2": dict(BLOCK_N=32, BLOCK_K=64, mma=True)}
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("inter,block,halves", [(32, (16, 16), True), (48, (16, 32), False), (40, (32, 16), True)])
+def test_mma_decode_gemvs_keep_every_row_exact(monkeypatch, dtype, tokens, inter, block, halves):
+    """``"mma"`` GEMV tiles (fp16 tensor-core dots on 16-bit activations): bf16 rows far outside fp16's range (1e6) and
+    far below its normal range (1e-7) come out as the fp32 reference does, each within half-precision rounding of its own
+    magnitude; K tiles capped to one scale column (bk 16 or 32), row tiles to the blocks, rows past I masked, a
+    sentinel id."""
+    from mla_fuser.kernels.fused_moe import launch
+
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    num_experts, hidden, topk = 5, 48, 3
+    stacks, layout = _stacks(num_experts, hidden, inter, block, halves)
+    gen = torch.Generator().manual_seed(9)
+    # (fp16 activations themselves hold only up to 65504, and so does the fp16 intermediate: smaller extremes there)
+    rows = torch.tensor([1e6, 1.0, 1e-7] if dtype == torch.bfloat16 else [3.0, 1.0, 1e-4])[:tokens, None]
+    x = (torch.randn(tokens, hidden, generator=gen) * rows).to(dtype)
+    ids = torch.randint(0, num_experts, (tokens, topk), generator=gen)
+    ids[0, 1] = num_experts
+    w = torch.rand(tokens, topk, generator=gen)
+    taken = []
+    real = launch._gemv_tiles
+    monkeypatch.setattr(launch, "_gemv_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
+    ref = fm.fused_experts_fp8_ref(x, *stacks, ids, w, **layout).float()
+    dev = [t.to(DEVICE) for t in (x, *stacks, ids, w)]
+    out = fm.fused_experts_fp8_triton(*dev, config=MMA_TILES, **layout).cpu().float()
+    assert [mma for _, mma in taken] == [True, True] and all(bk == min(64, block[1]) for bk, _ in taken)
+    assert torch.isfinite(out).all()
+    for t in range(tokens):
+        scale = ref[t].abs().max()
+        assert scale > 0 and ((out[t] - ref[t]).abs().max() / scale).item() <= 2e-2, t
+
+
+def test_mma_gemvs_only_where_they_are_exact():
+    """The GEMVs' fp16 dots need a block-FP8 stack, 16-bit activations (fp32 ones would be rounded), row tiles of 16
+    at least and a power-of-two part of the block's bk of 16 at least; otherwise the FMA GEMV runs."""
+    from mla_fuser.kernels.fused_moe.launch import _gemv_tiles
+
+    mma = dict(BLOCK_N=16, BLOCK_K=512, mma=True)
+    assert _gemv_tiles(mma, 2048, (128, 128), torch.bfloat16) == (128, True)
+    assert _gemv_tiles(mma, 2048, (128, 128), torch.float16) == (128, True)
+    assert _gemv_tiles(dict(mma, BLOCK_K=64), 2048, (128, 128), torch.bfloat16) == (64, True)
+    assert _gemv_tiles(mma, 2048, (128, 128), torch.float32) == (512, False)
+    assert _gemv_tiles(mma, 2048, None, torch.bfloat16) == (512, False)
+    assert _gemv_tiles(dict(mma, BLOCK_N=8), 2048, (128, 128), torch.bfloat16) == (512, False)
+    assert _gemv_tiles(mma, 2048, (128, 24), torch.bfloat16) == (512, False)
+    assert _gemv_tiles(dict(mma, mma=False), 40, (128, 128), torch.bfloat16) == (64, False)
+
+
 @needs_triton
 def test_decode_gemvs_step_aside_when_no_row_tile_fits(monkeypatch):
     """A layout no row tile of GEMV_MIN_BLOCK_N fits (the up half starting 2 rows into a block) and calls above

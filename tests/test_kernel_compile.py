@@ -1,0 +1,95 @@
+"""Kernels compile for a Hopper GPU (sm_90) on a machine without one.
+
+The interpreter runs a kernel's Python, not Triton's compiler: a kernel can pass every interpreted test and still not
+compile (a constexpr branch that returns early, for one, left names of its own to the code after it, and the compiler
+refused the kernel for a variable's type).  Triton compiles to PTX and runs its bundled ``ptxas`` without a GPU, so
+this compiles the variants the interpreter cannot vouch for, and checks in the PTX that the fp16-dot variants widen
+e4m3 with ``cvt.rn.f16x2.e4m3x2`` alone (no ``cvt.f32.f16``, which bounds the FMA versions).
+"""
+
+import inspect
+import re
+import warnings
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # pragma: no cover - an older Triton
+    GPUTarget = None
+
+pytestmark = pytest.mark.skipif(GPUTarget is None, reason="this Triton cannot compile for another target")
+
+HOPPER = None if GPUTarget is None else GPUTarget("cuda", 90, 32)
+
+
+def _ptx(kernel, pointers: dict, constexprs: dict, num_warps=4, num_stages=2) -> str:
+    """PTX of ``kernel`` (a ``LazyJit``) for sm_90: pointer arguments typed by ``pointers``, other non-constexpr
+    arguments i32."""
+    fn = kernel.get()
+    if not isinstance(fn, triton.runtime.jit.JITFunction):  # under TRITON_INTERPRET the wrapper is the interpreter's
+        pytest.skip("the interpreter is on in this process")
+    params = list(inspect.signature(fn.fn).parameters)
+    missing = set(constexprs) - set(params)
+    assert not missing, missing
+    signature = {p: "constexpr" if p in constexprs else pointers.get(p, "i32") for p in params}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            compiled = triton.compile(source, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages))
+        except RuntimeError as exc:  # no ptxas / CUDA backend in this Triton build
+            if "ptxas" in str(exc).lower():
+                pytest.skip(f"cannot assemble for sm_90 here: {exc}")
+            raise
+    return compiled.asm["ptx"]
+
+
+def _count(ptx: str, instruction: str) -> int:
+    return len(re.findall(re.escape(instruction) + r"\b", ptx))
+
+
+GEMV_POINTERS = {"x_ptr": "*bf16", "h_ptr": "*bf16", "bias_ptr": "*bf16", "c_ptr": "*bf16", "out_ptr": "*bf16",
+                 "ids_ptr": "*i64", "rw_ptr": "*fp32"}
+
+
+@pytest.mark.parametrize("kind", ["up", "down"])
+@pytest.mark.parametrize("variant", ["bf16", "bf16_bias", "fp8_fma", "fp8_mma"])
+def test_decode_gemvs_compile(kind, variant):
+    from mla_fuser.kernels.fused_moe.triton_kernels import moe_down_gemv_kernel, moe_up_gemv_kernel
+
+    fp8 = variant.startswith("fp8")
+    pointers = dict(GEMV_POINTERS, w_ptr="*fp8e4nv" if fp8 else "*bf16", s_ptr="*fp32" if fp8 else "*bf16")
+    mma = variant == "fp8_mma"
+    consts = dict(TOPK=6, HAS_BIAS=variant == "bf16_bias", SCALED=fp8, MMA=mma, BLOCK_N=16 if mma else 8,
+                  BLOCK_K=128 if mma else 512)
+    if kind == "up":
+        kernel = moe_up_gemv_kernel
+        consts.update(ACT=0, INTERLEAVED=variant == "bf16_bias")
+    else:
+        kernel = moe_down_gemv_kernel
+    ptx = _ptx(kernel, pointers, consts)
+    if fp8:
+        assert _count(ptx, "cvt.rn.f16x2.e4m3x2") > 0
+        assert (_count(ptx, "cvt.f32.f16") == 0) == mma
+        assert (_count(ptx, "mma.sync") > 0) == mma
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("f16_dot", [False, True])
+def test_fp8_expert_gemm_compiles(aligned, gated, f16_dot):
+    from mla_fuser.kernels.fused_moe.fp8_kernels import moe_w8_gemm_kernel
+
+    pointers = {"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "c_ptr": "*bf16", "ids_ptr": "*i64",
+                "rw_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_post_ptr": "*i32"}
+    consts = dict(A_ROW_DIV=6 if gated else 1, ALIGNED=aligned, GATED=gated, MUL_ROUTING=not gated, ACT=0,
+                  IEEE=False, UPCAST=False, SCAN_P=16, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, F16_DOT=f16_dot)
+    ptx = _ptx(moe_w8_gemm_kernel, pointers, consts, num_stages=3)
+    dot = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" if f16_dot else \
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    assert _count(ptx, dot) > 0
+    assert (_count(ptx, "cvt.bf16.f16") == 0) == f16_dot  # (the bf16 dots widen e4m3 through fp16)
