@@ -184,6 +184,11 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
         f16_tiles = dict(tiles, gemm1=dict(tiles["gemm1"], f16_dot=True), gemm2=dict(tiles["gemm2"], f16_dot=True))
         variants["fp8_gemms_f16dot"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
                                                                           config=f16_tiles, decode_gemv=False)
+        if t <= gemv_down_max_tokens():  # the decode GEMVs' fp16 tensor-core variant (one untuned tile)
+            mma = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=2, mma=True)
+            mma_tiles = dict(tiles, fp8_gemv1=mma, fp8_gemv2=mma)
+            variants["fp8_mma"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
+                                                                     config=mma_tiles)
         row = {"tokens": t, "experts_picked": picked, "path": _choose_path("auto", t, t * k),
                "fp8_path": choose_fp8_path("auto", t, t * k)}
         for label, fn in variants.items():
@@ -200,7 +205,7 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
             except Exception as exc:  # record and go on
                 row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                 traceback.print_exc()
-        for label in ("fp8", "fp8_gemms", "fp8_f16act", "fp8_gemms_f16act", "fp8_gemms_f16dot"):
+        for label in ("fp8", "fp8_gemms", "fp8_f16act", "fp8_gemms_f16act", "fp8_gemms_f16dot", "fp8_mma"):
             if f"{label}_ms" in row and "bf16_ms" in row:
                 row[f"{label}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{label}_ms"]
         result["rows"].append(row)
