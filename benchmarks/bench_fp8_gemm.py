@@ -496,6 +496,10 @@ def run_sweep(args, result, device, eager_ms, graph_ms, log):
 
 GEMV_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (4, 8, 16) for bk in (256, 512, 1024)
               for w in (4, 8)]
+# the linear GEMV's fp16 tensor-core variant (``GEMVConfig.mma``): row tiles of 16 at least, K tiles within a scale
+# column; timed for the linear only (``tune_moe_gemv.py`` sweeps the experts' GEMVs)
+GEMV_MMA_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, mma=True) for bn in (16, 32, 64) for bk in (64, 128)
+                  for w in (2, 4, 8)]
 GEMV_SWEEP_SHAPES = ("v2lite.q_proj", "v2lite.kv_a_proj", "v2lite.o_proj", "v2lite.shared.gate_up",
                      "v2lite.shared.down", "v3.mlp.gate_up", "v3.mlp.down")
 
@@ -525,8 +529,8 @@ def run_gemv_sweep(args, result, device, graph_ms, tokens):
         for t in tokens:
             x = torch.randn(t, k, device=device, generator=gen).to(torch.bfloat16)
             ref = block_fp8_linear_ref(x, *weights[0][:2], *block).float()
-            for cfg in grid:
-                conf = fp8_linear.GEMVConfig(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"])
+            for cfg in grid + ([] if args.dry_run else GEMV_MMA_SWEEP):
+                conf = fp8_linear.GEMVConfig(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], mma=cfg.get("mma", False))
                 fn = (lambda i, c=conf: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block, config=c))
                 err = float((fn(0).float() - ref).abs().max() / ref.abs().max())
                 records.append(dict(kind="linear", shape=name, tokens=t, **cfg, rel_err=err,
@@ -549,13 +553,13 @@ def run_gemv_sweep(args, result, device, graph_ms, tokens):
         if r["rel_err"] < MAX_REL_ERR["weight_only"] and (key not in best or r["ms"] < best[key]["ms"]):
             best[key] = r
     for r in records:
-        cfg = (r["kind"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"])
+        cfg = (r["kind"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r.get("mma", False))
         by_cfg.setdefault(cfg, []).append(r["ms"] / max(best[(r["kind"], r["shape"], r["tokens"])]["ms"], 1e-12))
     overall = {}
     for (kind, *cfg), ratios in by_cfg.items():
         geo = math.exp(sum(math.log(max(v, 1e-12)) for v in ratios) / len(ratios))
         if kind not in overall or geo < overall[kind]["geomean_vs_best"]:
-            overall[kind] = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], geomean_vs_best=geo,
+            overall[kind] = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], mma=cfg[3], geomean_vs_best=geo,
                                  worst_vs_best=max(ratios))
     result["gemv_sweep"] = dict(records=records, best=list(best.values()), best_overall=overall)
     for r in best.values():

@@ -78,6 +78,17 @@ def test_decode_gemvs_compile(kind, variant):
         assert (_count(ptx, "mma.sync") > 0) == mma
 
 
+@pytest.mark.parametrize("mma", [False, True])
+def test_linear_decode_gemv_compiles(mma):
+    from mla_fuser.kernels.fp8.triton_kernels import w8_gemv_kernel
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16"}
+    consts = dict(HAS_BIAS=True, EVEN_K=True, BLOCK_N=16 if mma else 8, BLOCK_K=128 if mma else 1024, MMA=mma)
+    ptx = _ptx(w8_gemv_kernel, pointers, consts)
+    assert (_count(ptx, "cvt.f32.f16") == 0) == mma
+    assert (_count(ptx, "mma.sync") > 0) == mma
+
+
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("f16_dot", [False, True])

@@ -172,6 +172,7 @@ class GEMVConfig(NamedTuple):
     block_k: int = 1024
     warps: int = 4
     stages: int = 2
+    mma: bool = False  # fp16 tensor-core dots (w8_gemv_kernel's MMA) where they fit: not measured, off by default
 
 
 GEMV_CONFIG = GEMVConfig()
@@ -282,13 +283,20 @@ class GEMVPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def gemv_plan(m: int, n: int, k: int, block_n: int, has_bias: bool, config: GEMVConfig = GEMV_CONFIG) -> GEMVPlan:
-    """The decode GEMV's launch for one shape (cached like :func:`w8_plan`)."""
+def gemv_plan(m: int, n: int, k: int, block_n: int, has_bias: bool, config: GEMVConfig = GEMV_CONFIG,
+              block_k: int = 0, half: bool = False) -> GEMVPlan:
+    """The decode GEMV's launch for one shape (cached like :func:`w8_plan`).  The fp16 tensor-core variant runs where
+    ``config.mma`` asks for it and it is exact and fits: 16-bit activations (``half``), row tiles of 16 at least, and K
+    tiles of 16 to 128 within one scale column (``block_k``, 0 for a per-tensor scale)."""
     bn = gemv_block_n(block_n, config.block_n)
     if not bn:
         raise ValueError(f"no GEMV row tile of at least {GEMV_MIN_BLOCK_N} divides the quantisation block {block_n}")
     bk = min(config.block_k, next_pow2(k))
-    meta = dict(HAS_BIAS=has_bias, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=config.warps,
+    column = 128 if block_k <= 0 else min(128, block_k & -block_k)
+    mma = bool(config.mma) and half and bn >= 16 and column >= 16
+    if mma:
+        bk = max(16, min(bk, column))
+    meta = dict(HAS_BIAS=has_bias, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, MMA=mma, num_warps=config.warps,
                 num_stages=config.stages)
     return GEMVPlan((m, cdiv(n, bn)), meta)
 
@@ -301,7 +309,8 @@ def w8_gemv_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_k:
     n = weight.shape[0]
     if not (m and n and k):
         return block_fp8_linear_ref(x2, weight, scale, block_n, block_k, bias)
-    plan = gemv_plan(m, n, k, block_n, bias is not None, config)
+    plan = gemv_plan(m, n, k, block_n, bias is not None, config, block_k,
+                     x2.dtype in (torch.bfloat16, torch.float16))
     qbn, qbk = (block_n, block_k) if block_n > 0 else (_PER_TENSOR, _PER_TENSOR)
     scale2 = scale.reshape(1, 1) if scale.ndim == 0 else scale
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
