@@ -629,6 +629,13 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                         "auto": lambda i: block_fp8_linear(x, *weights[i][:2], block)}
             if t <= fp8_linear.GEMV_MAX_TOKENS:
                 variants["gemv"] = lambda i: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block)
+                mma = fp8_linear.GEMVConfig(16, 128, 4, mma=True)  # (untried: one tile; --gemv-sweep sweeps more)
+                variants["gemv_mma"] = lambda i: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block,
+                                                                          config=mma)
+            # the weight-only GEMM's fp16 dots on bf16 activations (untried: the table's tile with f16_dot)
+            f16 = fp8_linear._resolved(fp8_linear.W8_CONFIGS, t, n * k, block[1], None, None)._replace(f16_dot=True)
+            variants["weight_only_f16dot"] = lambda i: fp8_linear.w8_linear_triton(x, *weights[i][:2], None, *block,
+                                                                                  config=f16)
             if has_tc:
                 variants["fp8_tc"] = lambda i: fp8_linear.fp8_linear_triton(x, *weights[i][:2], None, *block)
             row = {"shape": name, "N": n, "K": k, "tokens": t, "auto_path": fp8_linear.choose_path(t, x, *block)}
@@ -649,7 +656,7 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                 except Exception as exc:  # record and go on: one run on the GPU must give every other number
                     row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                     traceback.print_exc()
-            for label in ("weight_only", "gemv", "fp8_tc", "auto"):
+            for label in ("weight_only", "gemv", "fp8_tc", "auto", "gemv_mma", "weight_only_f16dot"):
                 for kind in ("", "eager_"):
                     if f"{label}_{kind}ms" in row and f"bf16_mm_{kind}ms" in row:
                         row[f"{label}_{kind}speedup_vs_bf16"] = row[f"bf16_mm_{kind}ms"] / row[f"{label}_{kind}ms"]

@@ -75,11 +75,13 @@ want fp8_decode && step 200 python3 benchmarks/bench_fp8_gemm.py --experts-sweep
 want fp8_decode && step 150 python3 benchmarks/profile_decode_step.py --fp8-weights --fp8-cache --shapes 1x512,16x4096 \
            --out "$out/profile_decode_step_fp8.json"
 # the FP8 kernels' untried variants beside the defaults: the expert GEMMs' fp16 dots ("f16_dot", fp8_gemms_f16dot)
-# and the GEMVs' fp16 tensor cores ("mma": the experts' fp8_mma variant; the linear GEMV in the sweep)
+# and the GEMVs' fp16 tensor cores ("mma": the experts' fp8_mma variant; the linear GEMV in the sweep), and the
+# linear's weight-only GEMM with f16_dot (weight_only_f16dot) and GEMV with mma (gemv_mma) at decode sizes
 want fp8_variants && step 90 python3 benchmarks/bench_fp8_gemm.py --experts --tokens 1,2,4,8,16 \
            --out "$out/fp8_experts_variants.json"
 want fp8_variants && step 300 python3 benchmarks/bench_fp8_gemm.py --gemv-sweep --sweep-rep 20 \
            --out "$out/fp8_gemv_sweep_mma.json"
+want fp8_variants && step 150 python3 benchmarks/bench_fp8_gemm.py --tokens 1,2,4,16 --out "$out/fp8_gemm_variants.json"
 # the MoE decode GEMVs' tiles: the full grid on V2-Lite, then its top tiles on V2-Lite and V3 shapes -> the table
 want tune_gemv && step 330 python3 benchmarks/tune_moe_gemv.py --jobs 14 --out "$out/moe_decode_gemv_sweep.json"
 want tune_gemv && step 200 python3 benchmarks/tune_moe_gemv.py --jobs 12 --shapes v2lite,v3 --top 10 \

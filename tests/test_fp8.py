@@ -77,6 +77,26 @@ def test_weight_only_variants_match_reference(monkeypatch, m, n, k, block, varia
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
 
 
+@pytest.mark.parametrize("config", [W8(16, 16, 16, fill=0, f16_dot=True), W8(16, 32, 32, fill=0, f16_dot=True)])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("block", [(16, 32), None])
+def test_weight_only_f16_dots_keep_every_row_exact(monkeypatch, config, splits, block):
+    """``f16_dot`` (bf16 activations, fp16 dots on power-of-two-scaled rows, per split): rows far outside fp16's
+    range (1e6), far below its normal range (1e-7) and an empty one come out as the fp32 reference does, each row
+    within bf16 rounding of its own magnitude."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(11)
+    weight, scale = quantize_block_fp8(torch.randn(40, 96, generator=gen), block)
+    rows = torch.tensor([1e6, 1.0, 1e-7, 0.0])[:, None]
+    x = (torch.randn(4, 96, generator=gen) * rows).to(torch.bfloat16)
+    bn, bk = block or (0, 0)
+    out = fp8_linear.w8_linear_triton(x, weight, scale, None, bn, bk, splits=splits, config=config).float()
+    ref = block_fp8_linear_ref(x, weight, scale, bn, bk, None).float()
+    assert torch.isfinite(out).all() and torch.equal(out[3], torch.zeros_like(out[3]))
+    for t in range(3):
+        assert ((out[t] - ref[t]).abs().max() / ref[t].abs().max()).item() <= 1e-2, t
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("variant", ["mma", "gemv1"])
 def test_weight_only_half_precision_split_k_is_deterministic(monkeypatch, dtype, variant):

@@ -89,6 +89,20 @@ def test_linear_decode_gemv_compiles(mma):
     assert (_count(ptx, "mma.sync") > 0) == mma
 
 
+@pytest.mark.parametrize("f16_dot", [False, True])
+def test_linear_weight_only_gemm_compiles(f16_dot):
+    from mla_fuser.kernels.fp8.triton_kernels import w8_gemm_kernel
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*fp32"}
+    consts = dict(HAS_BIAS=False, EVEN_K=True, DOT=True, UPCAST=False, IEEE=False, BLOCK_M=16, BLOCK_N=32,
+                  BLOCK_K=128, F16_DOT=f16_dot)
+    ptx = _ptx(w8_gemm_kernel, pointers, consts, num_stages=3)
+    dot = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" if f16_dot else \
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    assert _count(ptx, dot) > 0
+    assert (_count(ptx, "cvt.bf16.f16") == 0) == f16_dot
+
+
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("f16_dot", [False, True])

@@ -122,7 +122,9 @@ class W8Config(NamedTuple):
     """A weight-only launch: ``block_m x block_n x block_k`` tiles (``block_k`` is capped to the largest power of
     two dividing the quantisation block's ``bk``), Triton's ``warps``/``stages``; split-K aims at ``fill``
     programs per SM when the output tiles alone give fewer (0: never split); ``dot``: tensor-core MMA on the
-    widened weights, else an fp32 multiply-and-sum (a GEMV, for ``block_m`` 1-4)."""
+    widened weights, else an fp32 multiply-and-sum (a GEMV, for ``block_m`` 1-4); ``f16_dot``: with ``dot`` and bf16
+    activations, fp16 dots on power-of-two-scaled rows (``w8_gemm_kernel``'s ``F16_DOT``; not measured, off in every
+    table row)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -131,6 +133,7 @@ class W8Config(NamedTuple):
     stages: int = 4
     fill: int = 2
     dot: bool = True
+    f16_dot: bool = False
 
 
 class TCConfig(NamedTuple):
@@ -240,6 +243,7 @@ def w8_plan(m: int, n: int, k: int, block_n: int, block_k: int, dtype: torch.dty
     splits = cdiv(k, k_per_split)  # (no split starts past K)
     meta = dict(HAS_BIAS=has_bias and splits == 1, EVEN_K=k % bk == 0, DOT=cfg.dot, UPCAST=interpreting,
                 IEEE=dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                F16_DOT=bool(cfg.f16_dot) and cfg.dot and dtype == torch.bfloat16,
                 num_warps=cfg.warps, num_stages=cfg.stages)
     return W8Plan(cfg, splits, k_per_split, (cdiv(m, bm), cdiv(n, bn), splits), (cdiv(m * n, _REDUCE_BLOCK),), meta)
 

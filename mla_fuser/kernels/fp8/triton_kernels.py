@@ -47,8 +47,11 @@ def w8_gemm_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_os, stride_om,
     QBN, QBK,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F16_DOT: tl.constexpr,
 ):
+    """``F16_DOT`` (bf16 activations, with ``DOT``): fp16 dots, as ``fused_moe``'s ``moe_w8_gemm_kernel`` runs them:
+    each row of this split's K range scaled by a power of two into fp16's range (a first pass; exact), the split's
+    sum scaled back."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -60,6 +63,15 @@ def w8_gemm_kernel(
     s_rows = s_ptr + (tl.minimum(cols, N - 1) // QBN) * stride_sn
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     k_start = pid_s * K_PER_SPLIT
+    if F16_DOT:
+        amax = tl.full([BLOCK_M], 0.0, tl.float32)
+        for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xa = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_ok & (offs_k[None, :] < K), other=0.0)
+            amax = tl.maximum(amax, tl.reduce(tl.abs(xa.to(tl.float32)), 1, MAX_COMBINE))
+        e_bits = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)
+        row_scale = ((268 - e_bits) << 23).to(tl.float32, bitcast=True)
+        row_unscale = ((e_bits - 14) << 23).to(tl.float32, bitcast=True)
     for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -72,6 +84,8 @@ def w8_gemm_kernel(
         scale = tl.load(s_rows + (k0 // QBK) * stride_sk)
         if not DOT:
             part = tl.reduce(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2, SUM_COMBINE)
+        elif F16_DOT:
+            part = tl.dot((x.to(tl.float32) * row_scale[:, None]).to(tl.float16), tl.trans(w.to(tl.float16)))
         elif UPCAST:
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         elif IEEE:
@@ -79,6 +93,8 @@ def w8_gemm_kernel(
         else:
             part = tl.dot(x, tl.trans(w.to(x.dtype)))
         acc += part * scale[None, :]
+    if F16_DOT:
+        acc = acc * row_unscale[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + tl.minimum(cols, N - 1)).to(tl.float32)[None, :]
     out = out_ptr + pid_s * stride_os + rows[:, None] * stride_om + cols[None, :]
