@@ -171,8 +171,8 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
             variants["fp8_gemms"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
                                                                        decode_gemv=False)
         # fp16 activations: the weight-only GEMMs widen e4m3 to the activations' dtype, which for fp16 is one
-        # cvt.rn.f16x2.e4m3x2 per two weights, against a detour through fp32 for bf16 (what decode-time FP8 costs
-        # in conversions, not bytes)
+        # cvt.rn.f16x2.e4m3x2 per two weights, where bf16 adds a cvt.bf16.f16 per weight (what decode-time FP8
+        # costs in conversions, not bytes)
         xh = x.half()
         variants["fp8_f16act"] = lambda i: fp8_op(xh, q1, s1, q2, s2, *routes[i], **layout)
         if t <= gemv_down_max_tokens():
