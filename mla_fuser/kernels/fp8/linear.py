@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import cdiv, kernel_op, next_pow2, triton_interpreting, use_triton
+from ..dispatch import cdiv, f16_mma_block_k, kernel_op, next_pow2, pow2_divisor, triton_interpreting, use_triton
 from .format import FP8_DTYPE, FP8_MAX
 from .quant import dequantize_block_fp8, dequantize_token_groups, quantize_token_groups_ref
 from .triton_kernels import act_quant_kernel, fp8_gemm_kernel, splitk_reduce_kernel, w8_gemm_kernel, w8_gemv_kernel
@@ -79,11 +79,6 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
-    """Largest power of two dividing ``n``, at most ``cap``."""
-    return min(cap, n & -n) if n > 0 else cap
-
-
 def _has_fp8_tensor_cores(x: torch.Tensor) -> bool:
     if x.is_cuda:
         return torch.cuda.get_device_capability(x.device) >= (8, 9)
@@ -94,7 +89,7 @@ def gemv_block_n(block_n: int, wanted: int) -> int:
     """The GEMV's row tile: ``wanted`` capped to the largest power of two dividing the quantisation block's ``bn``
     (any, for a per-tensor scale: ``block_n`` 0), so that a tile's rows share one scale row; 0 when that is below
     ``GEMV_MIN_BLOCK_N`` (the GEMV is not taken)."""
-    tile = wanted if block_n <= 0 else _pow2_divisor(block_n, wanted)
+    tile = wanted if block_n <= 0 else pow2_divisor(block_n, wanted)
     return tile if tile >= GEMV_MIN_BLOCK_N else 0
 
 
@@ -111,7 +106,7 @@ def choose_path(tokens: int, x: torch.Tensor, block_n: int, block_k: int) -> str
 
 def triton_supported(x: torch.Tensor, block_n: int, block_k: int) -> bool:
     """The kernels take fp16/bf16/fp32 activations and K blocks with a power-of-two divisor >= 16."""
-    return x.dtype in KERNEL_DTYPES and (block_n <= 0 or _pow2_divisor(block_k, 128) >= 16)
+    return x.dtype in KERNEL_DTYPES and (block_n <= 0 or pow2_divisor(block_k, 128) >= 16)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -207,7 +202,7 @@ def _resolved(table, m: int, weight_elems: int, qbk: int, config, tiles):
     if tiles is not None:
         cfg = cfg._replace(block_m=tiles[0], block_n=tiles[1], block_k=tiles[2])
     elif config is None:
-        cfg = cfg._replace(block_k=min(cfg.block_k, _pow2_divisor(qbk, 128)))
+        cfg = cfg._replace(block_k=min(cfg.block_k, pow2_divisor(qbk, 128)))
     if qbk % cfg.block_k:
         raise ValueError(f"BLOCK_K {cfg.block_k} must divide the quantisation block {qbk}")
     return cfg
@@ -296,10 +291,10 @@ def gemv_plan(m: int, n: int, k: int, block_n: int, has_bias: bool, config: GEMV
     if not bn:
         raise ValueError(f"no GEMV row tile of at least {GEMV_MIN_BLOCK_N} divides the quantisation block {block_n}")
     bk = min(config.block_k, next_pow2(k))
-    column = 128 if block_k <= 0 else min(128, block_k & -block_k)
-    mma = bool(config.mma) and half and bn >= 16 and column >= 16
+    mma_bk = f16_mma_block_k(bk, block_k) if config.mma and half and bn >= 16 else 0
+    mma = mma_bk > 0
     if mma:
-        bk = max(16, min(bk, column))
+        bk = mma_bk
     meta = dict(HAS_BIAS=has_bias, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, MMA=mma, num_warps=config.warps,
                 num_stages=config.stages)
     return GEMVPlan((m, cdiv(n, bn)), meta)

@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 from ... import envs
-from ..dispatch import cdiv, kernel_op, next_pow2, on_tensor_device, triton_interpreting, use_triton
+from ..dispatch import cdiv, kernel_op, next_pow2, on_tensor_device, pow2_divisor, triton_interpreting, use_triton
+from ..fp8.linear import gemv_block_n as linear_gemv_block_n
 from .fp8_kernels import moe_w8_gemm_kernel
 from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
 from .launch import (_choose_path, _tiles, align_tokens_to_experts, gemv_down_max_tokens, launch_down_gemv,
@@ -33,7 +34,6 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # the decode GEMVs' tile where neither the config (keys "fp8_gemv1" / "fp8_gemv2") nor the tuned table
 # (``gemv_tiles``, per layer size and token count: ``configs.default_fp8_config``) gives one: rows by K columns per step
 FP8_GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=2)
-GEMV_MIN_BLOCK_N = 4
 # "auto" runs the small path up to this many tokens (the bf16 op: ``launch.SMALL_BATCH_MAX_TOKENS``, 16), the aligned
 # path above; ``MLA_FUSER_MOE_SMALL_BATCH_TOKENS`` overrides both.  On an H200 (``bench_fp8_gemm.py --experts-sweep``,
 # CUDA-graph timing, one V2-Lite layer) the aligned path beat every small-path tile at 8 and 16 tokens: 125 vs 138 us
@@ -41,23 +41,17 @@ GEMV_MIN_BLOCK_N = 4
 FP8_SMALL_BATCH_MAX_TOKENS = 4
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
-    return min(cap, n & -n) if n > 0 else cap
-
-
 def triton_supported(hidden: torch.Tensor, gate_up_block, down_block) -> bool:
     """The kernel takes fp16/bf16/fp32 activations and K blocks with a power-of-two divisor >= 16 (``tl.dot``)."""
-    return hidden.dtype in KERNEL_DTYPES and all(_pow2_divisor(b[1], 128) >= 16 for b in (gate_up_block, down_block))
+    return hidden.dtype in KERNEL_DTYPES and all(pow2_divisor(b[1], 128) >= 16 for b in (gate_up_block, down_block))
 
 
 def gemv_block_n(wanted: int, block, up_row_shift: int = 0) -> int:
-    """A decode GEMV's row tile over a stack of scale blocks ``block``: ``wanted`` capped so that it divides the
-    block's rows and, for the gate/up stack, the up half's row shift (a tile then lies in one scale row); 0 below
-    ``GEMV_MIN_BLOCK_N`` (the GEMVs are not taken)."""
-    tile = _pow2_divisor(block[0], wanted)
-    if up_row_shift:
-        tile = _pow2_divisor(up_row_shift, tile)
-    return tile if tile >= GEMV_MIN_BLOCK_N else 0
+    """A decode GEMV's row tile over a stack of scale blocks ``block``: the FP8 linear's GEMV row tile
+    (:func:`~mla_fuser.kernels.fp8.linear.gemv_block_n`: it divides the block's rows, at least ``GEMV_MIN_BLOCK_N``,
+    else 0 and the GEMVs are not taken), for the gate/up stack also dividing the up half's row shift (a tile then lies
+    in one scale row)."""
+    return linear_gemv_block_n(block[0], pow2_divisor(up_row_shift, wanted) if up_row_shift else wanted)
 
 
 def launch_w8_gemvs(*, x, gate_up_w, gate_up_scale, down_w, down_scale, flat_ids, routing, out, topk, act,
@@ -86,7 +80,7 @@ def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out
     with ``"f16_dot": True`` runs bf16 activations' dots on fp16 operands (``moe_w8_gemm_kernel``'s ``F16_DOT``; no
     default config sets it yet: measured only through fp16 activations, ``fp8_experts_f16act.json``)."""
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    block_k = min(cfg["BLOCK_K"], _pow2_divisor(block[1], 128))
+    block_k = min(cfg["BLOCK_K"], pow2_divisor(block[1], 128))
     if align is None:
         grid = (num_experts, cdiv(n_out, block_n))
         sorted_ids = expert_ids = num_post = c  # never read on the small path

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ... import envs
-from ..dispatch import cdiv, next_pow2, on_tensor_device, triton_interpreting, use_triton
+from ..dispatch import cdiv, f16_mma_block_k, next_pow2, on_tensor_device, triton_interpreting, use_triton
 from .configs import default_config, get_moe_config
 from .reference import activation_code, align_tokens_to_experts_ref, check_shapes, max_padded_pairs
 from .triton_kernels import (moe_align_kernel, moe_combine_kernel, moe_down_gemv_kernel, moe_gemm_kernel,
@@ -180,10 +180,8 @@ def _gemv_tiles(cfg, k_dim, block, act_dtype):
     if not (cfg.get("mma") and block is not None and cfg["BLOCK_N"] >= 16
             and act_dtype in (torch.bfloat16, torch.float16)):
         return block_k, False
-    divisor = min(128, block[1] & -block[1])
-    if divisor < 16:
-        return block_k, False
-    return max(16, min(block_k, divisor)), True
+    mma_bk = f16_mma_block_k(block_k, block[1])
+    return (mma_bk, True) if mma_bk else (block_k, False)
 
 
 def launch_up_gemv(x, gate_up_w, gate_up_bias, inter_buf, flat_ids, topk, num_experts, act, interleaved, cfg,
