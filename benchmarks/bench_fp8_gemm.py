@@ -114,13 +114,13 @@ TINY_EXPERTS = dict(num_experts=8, hidden=64, inter=40, topk=2)
 ROUTINGS = 8  # calls per graph in --experts, each with its own routing (a decode step's layers pick other experts)
 
 
-def expert_layer(args, device, gen):
-    """One MoE layer of random experts (``EXPERTS``, ``TINY_EXPERTS`` on a dry run), quantised per block:
-    ``(shape, block, (gate_up, down) in bf16, (q1, s1, q2, s2), layout keywords of fused_experts_fp8)``."""
+def expert_layer(args, device, gen, shape=None):
+    """One MoE layer of random experts (``shape``, else ``EXPERTS``, ``TINY_EXPERTS`` on a dry run), quantised per
+    block: ``(shape, block, (gate_up, down) in bf16, (q1, s1, q2, s2), layout keywords of fused_experts_fp8)``."""
     import torch
     from mla_fuser.kernels.fp8.experts import quantize_expert_stack
 
-    shape = TINY_EXPERTS if args.dry_run else EXPERTS
+    shape = shape or (TINY_EXPERTS if args.dry_run else EXPERTS)
     e, h, i = shape["num_experts"], shape["hidden"], shape["inter"]
     block = (16, 16) if args.dry_run else (128, 128)
     gate_up = torch.randn(e, 2 * i, h, device=device, generator=gen) * 0.02
@@ -131,12 +131,12 @@ def expert_layer(args, device, gen):
     return shape, block, (gate_up.to(torch.bfloat16), down.to(torch.bfloat16)), (q1, s1, q2, s2), layout
 
 
-def random_routes(tokens, shape, device, gen):
-    """``ROUTINGS`` routings of ``tokens`` tokens: (ids, weights summing to 1) from random scores, top-k."""
+def random_routes(tokens, shape, device, gen, count=ROUTINGS):
+    """``count`` routings of ``tokens`` tokens: (ids, weights summing to 1) from random scores, top-k."""
     import torch
 
     routes = []
-    for _ in range(ROUTINGS):
+    for _ in range(count):
         weights, ids = torch.rand(tokens, shape["num_experts"], device=device, generator=gen).topk(shape["topk"], -1)
         routes.append((ids, weights / weights.sum(-1, keepdim=True)))
     return routes

@@ -37,6 +37,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_fp8_gemm import (EXPERTS, ROUTINGS, TINY_EXPERTS, expert_layer, make_timers,  # noqa: E402
+                            random_routes)
+
 GRID = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
         for bn, bk, w, st in itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8), (1, 2, 3))]
 # the FP8 GEMVs' fp16 tensor-core variant (``"mma"``: row tiles of 16 at least, K tiles within one scale column)
@@ -45,15 +48,15 @@ MMA_GRID = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, mma=True)
 DRY_GRID = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=2) for bn, bk in ((8, 16), (16, 32))]
 DRY_MMA_GRID = [dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2, mma=True)]
 KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "mma")
+TOKENS = (1, 2, 4)
+BUCKETS = {1: (1,), 2: (2,), 4: (3, 4)}  # table bucket -> the token counts it serves (3 is timed as 4's nearest)
+V3 = dict(num_experts=32, hidden=7168, inter=2048, topk=8)  # (32 of V3's 256 experts: the per-expert shape counts)
+OLD_DEFAULT = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=2)  # both GEMVs' tile before this sweep
 
 
 def tile_of(record) -> tuple:
     """A record's tile as a hashable tuple (``mma`` False where absent)."""
     return tuple(bool(record.get(k, False)) if k == "mma" else record[k] for k in KEYS)
-TOKENS = (1, 2, 4)
-BUCKETS = {1: (1,), 2: (2,), 4: (3, 4)}  # table bucket -> the token counts it serves (3 is timed as 4's nearest)
-V3 = dict(num_experts=32, hidden=7168, inter=2048, topk=8)  # (32 of V3's 256 experts: the per-expert shape counts)
-OLD_DEFAULT = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=2)  # both GEMVs' tile before this sweep
 
 
 def parse_args(argv=None):
@@ -71,57 +74,30 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def build(shape, dry, device, gen):
-    """One MoE layer: bf16 stacks, their block-FP8 quantisation and layout, and the FP8 path's inputs."""
-    import torch
-    from mla_fuser.kernels.fp8.experts import quantize_expert_stack
-
-    e, h, i = shape["num_experts"], shape["hidden"], shape["inter"]
-    block = (16, 16) if dry else (128, 128)
-    gate_up = torch.randn(e, 2 * i, h, device=device, generator=gen) * 0.02
-    down = torch.randn(e, h, i, device=device, generator=gen) * 0.02
-    q1, s1 = quantize_expert_stack(gate_up, block, rows=2 * -(-i // block[0]))
-    q2, s2 = quantize_expert_stack(down, block)
-    layout = dict(block=block, up_scale_base=s1.shape[1] // 2)
-    return dict(bf16=(gate_up.to(torch.bfloat16), down.to(torch.bfloat16)), fp8=(q1, s1, q2, s2), layout=layout)
-
-
-def routings(tokens, shape, count, device, gen):
-    import torch
-
-    out = []
-    for _ in range(count):
-        w, ids = torch.rand(tokens, shape["num_experts"], device=device, generator=gen).topk(shape["topk"], -1)
-        out.append((ids.reshape(-1).contiguous(), (w / w.sum(-1, keepdim=True)).reshape(-1).contiguous()))
-    return out
-
-
 def launcher(kernel, dtype, layer, shape, x, inter_bufs, out, routes):
-    """``fn(cfg) -> call(i)``: one launch of ``kernel`` ("up", "down" or "gemm1") on routing ``i``."""
+    """``fn(cfg) -> call(i)``: one launch of ``kernel`` ("up", "down" or "gemm1") on routing ``i``; ``layer`` as
+    ``bench_fp8_gemm.expert_layer`` makes it."""
     from mla_fuser.kernels.fused_moe import configs, launch
 
-    lay = layer["layout"]
+    _, block, (gate_up, down), (q1, s1, q2, s2), layout = layer
     e, topk = shape["num_experts"], shape["topk"]
 
     def make(cfg):
         if kernel == "up":
             if dtype == "bf16":
-                w = layer["bf16"][0]
-                return lambda i: launch.launch_up_gemv(x, w, None, inter_bufs[i], routes[i][0], topk, e, 0, False, cfg)
-            q1, s1 = layer["fp8"][:2]
+                return lambda i: launch.launch_up_gemv(x, gate_up, None, inter_bufs[i], routes[i][0], topk, e, 0,
+                                                       False, cfg)
             return lambda i: launch.launch_up_gemv(x, q1, None, inter_bufs[i], routes[i][0], topk, e, 0, False, cfg,
-                                                   gate_up_scale=s1, gate_up_block=lay["block"],
-                                                   up_scale_base=lay["up_scale_base"], up_row_shift=0)
+                                                   gate_up_scale=s1, gate_up_block=block,
+                                                   up_scale_base=layout["up_scale_base"], up_row_shift=0)
         if kernel == "down":
             if dtype == "bf16":
-                w = layer["bf16"][1]
-                return lambda i: launch.launch_down_gemv(inter_bufs[i], w, None, out, routes[i][0], routes[i][1],
+                return lambda i: launch.launch_down_gemv(inter_bufs[i], down, None, out, routes[i][0], routes[i][1],
                                                          topk, e, cfg)
-            q2, s2 = layer["fp8"][2:]
             return lambda i: launch.launch_down_gemv(inter_bufs[i], q2, None, out, routes[i][0], routes[i][1], topk,
-                                                     e, cfg, down_scale=s2, down_block=lay["block"])
+                                                     e, cfg, down_scale=s2, down_block=block)
         g1 = cfg or configs.default_config("small", x.shape[0], topk, e)["gemm1"]
-        w = layer["bf16"][0]
+        w = gate_up
         return lambda i: launch.launch_gemm(
             a=x, w=w, bias=None, c=inter_bufs[i], flat_ids=routes[i][0], routing=None, align=None,
             num_pairs=routes[i][0].numel(), n_out=shape["inter"], k_dim=shape["hidden"], a_row_div=topk, gated=True,
@@ -133,21 +109,21 @@ def inputs(shape, tokens, count, device, gen):
     import torch
 
     x = torch.randn(tokens, shape["hidden"], device=device, generator=gen).to(torch.bfloat16)
-    routes = routings(tokens, shape, count, device, gen)
+    # (the launchers take the pairs' ids and weights flat)
+    routes = [(ids.reshape(-1).contiguous(), w.reshape(-1).contiguous())
+              for ids, w in random_routes(tokens, shape, device, gen, count)]
     inter_bufs = [torch.randn(tokens * shape["topk"], shape["inter"], device=device, generator=gen)
                   .to(torch.bfloat16) for _ in range(count)]
     out = torch.empty(tokens, shape["hidden"], device=device, dtype=torch.bfloat16)
     return x, routes, inter_bufs, out
 
 
-V2LITE = dict(num_experts=64, hidden=2048, inter=1408, topk=6)  # DeepSeek-V2-Lite's routed experts
-TINY = dict(num_experts=8, hidden=64, inter=40, topk=2)
-SHAPES = {"v2lite": V2LITE, "v3": V3, "tiny": TINY}
+SHAPES = {"v2lite": EXPERTS, "v3": V3, "tiny": TINY_EXPERTS}
 
 
 def shapes_of(args):
     if args.dry_run:
-        return {"tiny": TINY}
+        return {"tiny": TINY_EXPERTS}
     return {name: SHAPES[name] for name in args.shapes.split(",")}
 
 
@@ -182,7 +158,7 @@ def compile_worker(index, args):
     for shape in shapes_of(args).values():
         # 16 experts: the expert count is a kernel argument specialised only as "a multiple of 16", like 32 and 64
         shape = dict(shape, num_experts=16)
-        layer = build(shape, False, device, gen)
+        layer = expert_layer(args, device, gen, shape)
         x, routes, bufs, out = inputs(shape, 1, 1, device, gen)
         jobs = [(k, d, c) for (k, d), grid in tiles.items() for c in grid]
         for kernel, dtype, cfg in jobs[index::args.jobs]:
@@ -207,13 +183,12 @@ def precompile(args):
 
 def sweep(args, device, timer):
     import torch
-    from bench_fp8_gemm import ROUTINGS
 
     tiles = grids(args)
     gen = torch.Generator(device=device).manual_seed(0)
     records = []
     for name, shape in shapes_of(args).items():
-        layer = build(shape, args.dry_run, device, gen)
+        layer = expert_layer(args, device, gen, shape)
         for tokens in TOKENS:
             x, routes, bufs, out = inputs(shape, tokens, ROUTINGS, device, gen)
             for dtype in ("bf16", "fp8"):
@@ -329,8 +304,6 @@ def run(args):
     import tempfile
 
     import torch
-
-    from bench_fp8_gemm import make_timers
 
     device = "cpu" if args.dry_run else "cuda"
     _, graph_ms = make_timers(argparse.Namespace(rep=args.rep), device)
