@@ -46,8 +46,8 @@ before each replay), ``*_eager_ms`` one eager call.  JSON: ``benchmarks/results/
 shapes and the experts' two GEMVs on one V2-Lite layer, at 1 and 4 tokens; it prints the best tile per row and the
 tile with the best geometric mean (``fp8_gemv_sweep.json``: the source of ``linear.GEMVConfig`` and of
 ``fp8_launch.FP8_GEMV_CONFIG``, the experts' GEMV fallback tile; ``tune_moe_gemv.py`` tunes the experts' GEMVs each
-on its own, per token count and layer size, for the shipped table).  ``--experts-sweep`` times the experts' GEMM tiles (``EXPERTS_SWEEP``) on one path
-(``--experts-sweep-path``) at 8 and 16 tokens beside the other path's defaults (``fp8_experts_sweep_<path>.json``:
+on its own, per token count and layer size, for the shipped table).  ``--experts-sweep`` times the experts' GEMM
+tiles (``EXPERTS_SWEEP``) on one path (``--experts-sweep-path``) at 8 and 16 tokens beside the other path's defaults (``fp8_experts_sweep_<path>.json``:
 the source of ``FP8_SMALL_BATCH_MAX_TOKENS`` and ``configs.default_fp8_config``).
 
 GPU: ``python benchmarks/bench_fp8_gemm.py --out benchmarks/results/fp8_gemm.json`` (a few minutes on an H200);
@@ -530,7 +530,8 @@ def run_gemv_sweep(args, result, device, graph_ms, tokens):
             x = torch.randn(t, k, device=device, generator=gen).to(torch.bfloat16)
             ref = block_fp8_linear_ref(x, *weights[0][:2], *block).float()
             for cfg in grid + ([] if args.dry_run else GEMV_MMA_SWEEP):
-                conf = fp8_linear.GEMVConfig(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], mma=cfg.get("mma", False))
+                conf = fp8_linear.GEMVConfig(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"],
+                                             mma=cfg.get("mma", False))
                 fn = (lambda i, c=conf: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block, config=c))
                 err = float((fn(0).float() - ref).abs().max() / ref.abs().max())
                 records.append(dict(kind="linear", shape=name, tokens=t, **cfg, rel_err=err,

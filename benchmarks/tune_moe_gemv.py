@@ -4,9 +4,9 @@ At one to four tokens the small path of ``fused_experts`` / ``fused_experts_fp8`
 ``moe_up_gemv_kernel`` (gate/up projection + activation; for bf16 it replaces the small path's GEMM1) and
 ``moe_down_gemv_kernel`` (down projection + routing weights + combine).  Both are bound by the bytes of expert weights
 they read, so their tiles decide how much of the copy bandwidth they reach.  This script times every tile of
-``GRID`` (and for FP8 ``MMA_GRID``, the GEMVs' fp16 tensor-core variant) for each kernel, dtype and token count on one DeepSeek-V2-Lite MoE layer (64 experts, hidden 2048,
-intermediate 1408, top-6) and, with ``--shapes v2lite,v3``, a DeepSeek-V3-shaped one (hidden 7168, intermediate
-2048, top-8): random routings, each call another one, in one CUDA graph; beside the bf16 GEMM1 the up GEMV may
+``GRID`` (and for FP8 ``MMA_GRID``, the GEMVs' fp16 tensor-core variant) for each kernel, dtype and token count on
+one DeepSeek-V2-Lite MoE layer (64 experts, hidden 2048, intermediate 1408, top-6) and, with ``--shapes v2lite,v3``,
+a DeepSeek-V3-shaped one (hidden 7168, intermediate 2048, top-8): random routings, each call another one, in one CUDA graph; beside the bf16 GEMM1 the up GEMV may
 replace; every tile's output checked against the first one's (the same products, another summation order).
 
 Output (``--out``, JSON): every record, the best tile per (shape, kernel, dtype, tokens), and ``tables``: the
@@ -131,7 +131,8 @@ def grids(args):
     """``{(kernel, dtype): [tile, ...]}``: the whole ``GRID``, or a previous run's ``--top`` tiles per (kernel,
     dtype, tokens) with ``OLD_DEFAULT``."""
     if args.dry_run:
-        return {(k, d): DRY_GRID + (DRY_MMA_GRID if d == "fp8" else []) for k in ("up", "down") for d in ("bf16", "fp8")}
+        return {(k, d): DRY_GRID + (DRY_MMA_GRID if d == "fp8" else [])
+                for k in ("up", "down") for d in ("bf16", "fp8")}
     if not args.candidates:
         return {(k, d): GRID + (MMA_GRID if d == "fp8" else []) for k in ("up", "down") for d in ("bf16", "fp8")}
     with open(args.candidates) as f:

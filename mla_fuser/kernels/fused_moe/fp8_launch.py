@@ -7,8 +7,8 @@ at decode sizes (``configs.default_fp8_config``), ``BLOCK_K`` capped by the quan
 column per K tile).  Up to ``GEMV_DOWN_MAX_TOKENS`` tokens the small path is two GEMV launches instead
 (the bf16 op's ``moe_up_gemv_kernel`` and ``moe_down_gemv_kernel`` with ``SCALED``: the block scales folded into
 the activations, no MMA padding of one token's row to 16, no combine launch) when row tiles of at least
-``GEMV_MIN_BLOCK_N`` fit the scale blocks (:func:`gemv_block_n`).  Not (yet) here: FP8 tensor cores with quantised activations for prefill (the
-block-FP8 linear's large-batch path).
+``GEMV_MIN_BLOCK_N`` fit the scale blocks (:func:`gemv_block_n`).  Not (yet) here: FP8 tensor cores with quantised
+activations for prefill (the block-FP8 linear's large-batch path).
 
 CPU tensors (and autograd, and block sizes without a power-of-two divisor >= 16) run the torch reference
 :func:`~.fp8_reference.fused_experts_fp8_ref`; ``MLA_FUSER_BACKEND`` forces a backend (``dispatch.use_triton``).
