@@ -42,13 +42,13 @@ fraction of the copy bandwidth), and the error against ``fused_experts_fp8_ref``
 Times: ``*_ms`` GPU time (CUDA-graph replay of ``ROUTINGS`` calls, each with its own random routing, L2 flushed
 before each replay), ``*_eager_ms`` one eager call.  JSON: ``benchmarks/results/fp8_experts.json``.
 
-``--gemv-sweep`` times the decode GEMVs' tiles (``GEMV_SWEEP``): the linear's one-token GEMV on V2-Lite and V3
-shapes and the experts' two GEMVs on one V2-Lite layer, at 1 and 4 tokens; it prints the best tile per row and the
-tile with the best geometric mean (``fp8_gemv_sweep.json``: the source of ``linear.GEMVConfig`` and of
-``fp8_launch.FP8_GEMV_CONFIG``, the experts' GEMV fallback tile; ``tune_moe_gemv.py`` tunes the experts' GEMVs each
-on its own, per token count and layer size, for the shipped table).  ``--experts-sweep`` times the experts' GEMM
-tiles (``EXPERTS_SWEEP``) on one path (``--experts-sweep-path``) at 8 and 16 tokens beside the other path's defaults (``fp8_experts_sweep_<path>.json``:
-the source of ``FP8_SMALL_BATCH_MAX_TOKENS`` and ``configs.default_fp8_config``).
+``--gemv-sweep`` times the decode GEMVs' tiles (``GEMV_SWEEP``): the linear's one-token GEMV on V2-Lite and V3 shapes
+and the experts' two GEMVs on one V2-Lite layer, at 1 and 4 tokens; it prints the best tile per row and the tile with
+the best geometric mean (``fp8_gemv_sweep.json``: the source of ``linear.GEMVConfig`` and of
+``fp8_launch.FP8_GEMV_CONFIG``, the experts' GEMV fallback tile; ``tune_moe_gemv.py`` tunes the experts' GEMVs each on
+its own, per token count and layer size, for the shipped table). ``--experts-sweep`` times the experts' GEMM tiles
+(``EXPERTS_SWEEP``) on one path (``--experts-sweep-path``) at 8 and 16 tokens beside the other path's defaults
+(``fp8_experts_sweep_<path>.json``: the source of ``FP8_SMALL_BATCH_MAX_TOKENS`` and ``configs.default_fp8_config``).
 
 GPU: ``python benchmarks/bench_fp8_gemm.py --out benchmarks/results/fp8_gemm.json`` (a few minutes on an H200);
 ``python benchmarks/bench_fp8_gemm.py --experts --out benchmarks/results/fp8_experts.json``.

@@ -40,10 +40,10 @@ def moe_w8_gemm_kernel(
 
     ``F16_DOT`` (bf16 activations): the dots run on fp16 operands, because widening e4m3 to fp16 is one
     ``cvt.rn.f16x2.e4m3x2`` per two weights where bf16 adds a ``cvt.bf16.f16`` per weight (the PTX Triton 3.6 and 3.9
-    emit for sm_90; conversions run at a sixteenth of the FMA rate there).  Each A row is scaled by a power of two that
+    emit for sm_90; conversions run at a sixteenth of the FMA rate there). Each A row is scaled by a power of two that
     puts its largest magnitude in ``[2^14, 2^15)`` (a first pass over the row finds it), so the row fits fp16's range
-    and every bf16 value in it down to 2^-29 of that maximum stays exact; the accumulators are scaled back at the end (exact).  Products are exact in
-    the fp32 accumulators, as on the bf16 path; only the summation order differs."""
+    and every bf16 value in it down to 2^-29 of that maximum stays exact; the accumulators are scaled back at the end
+    (exact). Products are exact in the fp32 accumulators, as on the bf16 path; only the summation order differs."""
     if ALIGNED:
         pid = tl.program_id(0)
         num_n = (N + BLOCK_N - 1) // BLOCK_N
