@@ -2,25 +2,26 @@
 
 At one to four tokens the small path of ``fused_experts`` / ``fused_experts_fp8`` is two launches:
 ``moe_up_gemv_kernel`` (gate/up projection + activation; for bf16 it replaces the small path's GEMM1) and
-``moe_down_gemv_kernel`` (down projection + routing weights + combine).  Both are bound by the bytes of expert weights
-they read, so their tiles decide how much of the copy bandwidth they reach.  This script times every tile of
-``GRID`` (and for FP8 ``MMA_GRID``, the GEMVs' fp16 tensor-core variant) for each kernel, dtype and token count on
-one DeepSeek-V2-Lite MoE layer (64 experts, hidden 2048, intermediate 1408, top-6) and, with ``--shapes v2lite,v3``,
-a DeepSeek-V3-shaped one (hidden 7168, intermediate 2048, top-8): random routings, each call another one, in one CUDA graph; beside the bf16 GEMM1 the up GEMV may
-replace; every tile's output checked against the first one's (the same products, another summation order).
+``moe_down_gemv_kernel`` (down projection + routing weights + combine). Both are bound by the bytes of expert weights
+they read, so their tiles decide how much of the copy bandwidth they reach. This script times every tile of ``GRID``
+(and for FP8 ``MMA_GRID``, the GEMVs' fp16 tensor-core variant) for each kernel, dtype and token count on one
+DeepSeek-V2-Lite MoE layer (64 experts, hidden 2048, intermediate 1408, top-6) and, with ``--shapes v2lite,v3``, a
+DeepSeek-V3-shaped one (hidden 7168, intermediate 2048, top-8): random routings, each call another one, in one CUDA
+graph; beside the bf16 GEMM1 the up GEMV may replace; every tile's output checked against the first one's (the same
+products, another summation order).
 
-Output (``--out``, JSON): every record, the best tile per (shape, kernel, dtype, tokens), and ``tables``: the
-``configs.DECODE_GEMV_TILES`` / ``FP8_DECODE_GEMV_TILES`` entries it suggests (per token bucket, the tile with the
-least worst-case regret over the shapes and the bucket's token counts; the bf16 up GEMV marked ``beats_gemm1`` where
-it is faster than the GEMM everywhere in the bucket).  The full grid at V3's size takes long to compile, so the
-tables come from two runs: the full grid on V2-Lite, then (``--candidates``) its ``--top`` tiles per case on both
-shapes.  ``--jobs`` worker processes compile every tile first (Triton's on-disk cache), which is most of the time.
-``--configs-out`` writes the tables as an ``MLA_FUSER_MOE_CONFIGS`` file, to try them in a model without a
-release.  ``--dry-run``: tiny shapes on CPU under the interpreter.
+Output (``--out``, JSON): every record, the best tile per (shape, kernel, dtype, tokens), and ``tables``: per shape,
+dtype and token bucket the tile with the least worst-case regret over the bucket's token counts, the bf16 up GEMV
+marked ``beats_gemm1`` where it is faster than the GEMM at every one of them.  ``--table`` writes them as the shipped
+table (``mla_fuser/kernels/tuned/moe_decode_gemv.json``, read by ``fused_moe.gemv_tiles``: a row per shape's hidden
+size, the bf16 ``gemv1`` only where it beat the GEMM); ``--records`` chooses again from an earlier run's JSON without
+a GPU.  The full grid at V3's size takes long to compile, so the table comes from two runs: the full grid on V2-Lite,
+then (``--candidates``) its ``--top`` tiles per case on both shapes.  ``--jobs`` worker processes compile every tile
+first (Triton's on-disk cache), which is most of the time.  ``--dry-run``: tiny shapes on CPU under the interpreter.
 
     python benchmarks/tune_moe_gemv.py --out benchmarks/results/moe_decode_gemv_sweep.json
     python benchmarks/tune_moe_gemv.py --shapes v2lite,v3 --candidates benchmarks/results/moe_decode_gemv_sweep.json \
-        --out benchmarks/results/moe_decode_gemv_tables.json
+        --out benchmarks/results/moe_decode_gemv_tables.json --table mla_fuser/kernels/tuned/moe_decode_gemv.json
 """
 
 from __future__ import annotations
