@@ -32,9 +32,8 @@ def default_config(path: str, num_tokens: int, topk: int, num_experts: int, hidd
         # GEMV down+combine (T <= GEMV_DOWN_MAX_TOKENS): 8 rows x 512 per expert tile, 6 tiles in flight per
         # step; H/8 = 256 programs for one token (two per SM).
         gv = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=2)
-        cfg = {"gemm1": g1, "gemm2": g2, "gemv2": gv}
         gemv1, gemv2 = decode_gemv_tiles(num_tokens, hidden) or (None, gv)
-        cfg["gemv2"] = gemv2
+        cfg = {"gemm1": g1, "gemm2": g2, "gemv2": gemv2}
         if gemv1:
             cfg["gemv1"] = gemv1
         return cfg
