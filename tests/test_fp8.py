@@ -24,7 +24,7 @@ from mla_fuser.kernels.fp8 import linear as fp8_linear
 from mla_fuser.kernels.fp8.quant import quantize_token_groups_ref
 from mla_fuser.rewrite import STACKED_ATTR
 
-from conftest import tiny_deepseek
+from conftest import rows_close_to_reference, tiny_deepseek
 
 transformers = pytest.importorskip("transformers")
 from transformers import FineGrainedFP8Config  # noqa: E402
@@ -92,9 +92,8 @@ def test_weight_only_f16_dots_keep_every_row_exact(monkeypatch, config, splits, 
     bn, bk = block or (0, 0)
     out = fp8_linear.w8_linear_triton(x, weight, scale, None, bn, bk, splits=splits, config=config).float()
     ref = block_fp8_linear_ref(x, weight, scale, bn, bk, None).float()
-    assert torch.isfinite(out).all() and torch.equal(out[3], torch.zeros_like(out[3]))
-    for t in range(3):
-        assert ((out[t] - ref[t]).abs().max() / ref[t].abs().max()).item() <= 1e-2, t
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    rows_close_to_reference(out, ref, range(3), 1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -158,9 +157,7 @@ def test_decode_gemv_tensor_core_variant_keeps_every_row_exact(monkeypatch, dtyp
     assert plan.meta["MMA"] and plan.meta["BLOCK_K"] == min(64 if n == 40 or n == 48 else 128, bk or 128)
     out = fp8_linear.w8_gemv_triton(x, weight, scale, None, bn, bk, config=config).float()
     ref = block_fp8_linear_ref(x, weight, scale, bn, bk, None).float()
-    assert torch.isfinite(out).all()
-    for t in range(3):
-        assert ((out[t] - ref[t]).abs().max() / ref[t].abs().max()).item() <= 1e-2, t
+    rows_close_to_reference(out, ref, range(3), 1e-2)
 
 
 def test_decode_gemv_tensor_core_variant_only_where_exact():

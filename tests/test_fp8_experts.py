@@ -26,7 +26,7 @@ from mla_fuser.kernels.fp8.experts import explain_fp8_experts, quantize_expert_s
 from mla_fuser.kernels.fused_moe import configs, fp8_launch
 from mla_fuser.kernels.fused_moe.fp8_reference import dequantize_expert
 
-from conftest import close_to_reference as _close, tiny_deepseek
+from conftest import close_to_reference as _close, rows_close_to_reference, tiny_deepseek
 
 transformers = pytest.importorskip("transformers")
 from transformers import FineGrainedFP8Config  # noqa: E402
@@ -99,11 +99,8 @@ def test_f16_dots_keep_every_row_exact(monkeypatch, path):
     tiles = {k: dict(v, f16_dot=True) for k, v in TINY.items()}
     dev = [t.to(DEVICE) for t in (x, *stacks, ids, w)]
     out = fm.fused_experts_fp8_triton(*dev, path=path, config=tiles, decode_gemv=False, **layout).cpu().float()
-    assert torch.isfinite(out).all()
     assert torch.equal(out[3], torch.zeros_like(out[3]))
-    for t in (0, 1, 2, 4, 5):
-        scale = ref[t].abs().max()
-        assert scale > 0 and ((out[t] - ref[t]).abs().max() / scale).item() <= 2e-2, t
+    rows_close_to_reference(out, ref, (0, 1, 2, 4, 5), 2e-2)
 
 
 GEMV_TILES = {"fp8_gemv1": dict(BLOCK_N=8, BLOCK_K=32), "fp8_gemv2": dict(BLOCK_N=8, BLOCK_K=16)}
@@ -179,10 +176,7 @@ def test_mma_decode_gemvs_keep_every_row_exact(monkeypatch, dtype, tokens, inter
     dev = [t.to(DEVICE) for t in (x, *stacks, ids, w)]
     out = fm.fused_experts_fp8_triton(*dev, config=MMA_TILES, **layout).cpu().float()
     assert [mma for _, mma in taken] == [True, True] and all(bk == min(64, block[1]) for bk, _ in taken)
-    assert torch.isfinite(out).all()
-    for t in range(tokens):
-        scale = ref[t].abs().max()
-        assert scale > 0 and ((out[t] - ref[t]).abs().max() / scale).item() <= 2e-2, t
+    rows_close_to_reference(out, ref, range(tokens), 2e-2)
 
 
 def test_mma_gemvs_only_where_they_are_exact():
