@@ -124,9 +124,9 @@ def best_of(fn, steps: int, repeats: int) -> float:
     return min(per_step(fn, steps) for _ in range(repeats))
 
 
-def wrapper_costs(repeats: int, calls: int, device: str = "cpu") -> dict:
+def wrapper_costs(repeats: int, calls: int, device: str = "cpu", profile: bool = True) -> dict:
     """Each wrapper alone on DeepSeek-V2-Lite's decode shapes (bf16, B=16, L=1024, page 64; launches mocked on CPU,
-    real on CUDA, where the weights are random instead of uninitialised)."""
+    real on CUDA, where the weights are random instead of uninitialised; ``profile``: cProfile's split on CUDA)."""
     from mla_fuser.kernels.fused_moe import fused_experts
     from mla_fuser.kernels.mla_decode import mla_decode
     from mla_fuser.kernels.paged_cache_ops import paged_append
@@ -165,7 +165,7 @@ def wrapper_costs(repeats: int, calls: int, device: str = "cpu") -> dict:
         out[name] = {"us_per_call": round(best_of(fn, calls, repeats) * 1e6, 2)}
         if device == "cpu":
             out[name]["launches_per_call"] = launches
-        else:  # where a call's host time goes (cProfile's own time: inflated, but the shares hold)
+        elif profile:  # where a call's host time goes (cProfile's own time: inflated, but the shares hold)
             out[name]["profile"] = profile_rows(lambda: [fn() for _ in range(calls)], calls, keep=8, every_file=True)
     return out
 
@@ -218,7 +218,7 @@ def main():
     model = build_model(args.layers, args.device)
     key = cache_keyword(model)
     B = args.batch
-    total_steps = 3 + args.repeats * args.steps + 2 * args.steps + 2
+    total_steps = 3 + 2 * args.repeats * args.steps + 2 * args.steps + 2  # (CUDA: the A/B below adds a round)
     cache = PagedLatentCache(model, max_cache_tokens=B * (args.prompt + total_steps + 64))
     ids = torch.randint(3, model.config.vocab_size, (B, args.prompt), device=args.device)
     if not gpu:
@@ -295,6 +295,15 @@ def main():
                                                 every_file=True))
         for k in ("launches_per_step", "launches_per_step_by_kernel", "interpreter_calls"):
             result.pop(k)
+        # the same through Triton's own JITFunction.run on every launch (kernels.direct_launch off), same process
+        os.environ["MLA_FUSER_DIRECT_LAUNCH"] = "0"
+        result["through_triton_run"] = {
+            "ms_per_step": round(best_of(step, args.steps, args.repeats) * 1e3, 3),
+            "wrappers_us_per_call": {k: v["us_per_call"] for k, v in
+                                     wrapper_costs(args.repeats, 200, args.device, profile=False).items()},
+            "note": "MLA_FUSER_DIRECT_LAUNCH=0: every launch through JITFunction.run; the headline figures above "
+                    "launch directly (kernels.direct_launch)"}
+        del os.environ["MLA_FUSER_DIRECT_LAUNCH"]
     if args.before:
         with open(args.before) as fh:
             earlier = json.load(fh)

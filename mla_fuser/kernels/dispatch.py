@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .. import envs
+from .direct_launch import direct_launcher
 
 VALID_BACKENDS = envs.VARIABLES["MLA_FUSER_BACKEND"].choices
 
@@ -133,16 +134,25 @@ class LazyJit:
             raise ValueError(f"{self.__name__} has no parameter {', '.join(unknown)} (do_not_specialize)")
         self.do_not_specialize = tuple(do_not_specialize)
         self._by_mode = {}
+        self._direct = {}  # id(compiled kernel) -> its DirectLauncher (None for interpreted ones)
 
     def get(self):
         mode = envs.triton_interpreting()  # (read at every launch: the mode may change between calls)
         kernel = self._by_mode.get(mode)
         if kernel is None:
             kernel = self._by_mode[mode] = triton.jit(self.fn, do_not_specialize=self.do_not_specialize or None)
+            self._direct[id(kernel)] = direct_launcher(kernel)
         return kernel
 
     def __getitem__(self, grid):
-        return on_tensor_device(self.get()[grid])
+        """``kernel[grid](...)``: compiled kernels launch through :mod:`.direct_launch` (Triton's kernel for the
+        call's exact specialisation, without ``JITFunction.run``'s per-call bookkeeping), interpreted ones through
+        Triton, with the first tensor argument's device current."""
+        kernel = self.get()
+        direct = self._direct.get(id(kernel))  # (None: interpreted, or whatever a test's mock of get() returned)
+        if direct is None:
+            return on_tensor_device(kernel[grid])
+        return functools.partial(direct.launch, grid)
 
 
 def lazy_jit(do_not_specialize: tuple[str, ...] = ()):

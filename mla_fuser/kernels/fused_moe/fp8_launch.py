@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from ... import envs
-from ..dispatch import cdiv, kernel_op, next_pow2, on_tensor_device, pow2_divisor, triton_interpreting, use_triton
+from ..dispatch import cdiv, kernel_op, next_pow2, pow2_divisor, triton_interpreting, use_triton
 from ..fp8.linear import gemv_block_n as linear_gemv_block_n
 from .fp8_kernels import moe_w8_gemm_kernel
 from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
@@ -89,7 +89,7 @@ def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out
         sorted_ids, expert_ids, num_post = align
         num_m_blocks = expert_ids.numel()
         grid = (num_m_blocks * cdiv(n_out, block_n),)
-    on_tensor_device(moe_w8_gemm_kernel.get()[grid])(
+    moe_w8_gemm_kernel[grid](
         a, w, scale, c, flat_ids, routing if routing is not None else c, sorted_ids, expert_ids, num_post,
         num_pairs, n_out, k_dim, num_m_blocks,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),

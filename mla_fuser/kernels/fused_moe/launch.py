@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ... import envs
-from ..dispatch import cdiv, f16_mma_block_k, next_pow2, on_tensor_device, triton_interpreting, use_triton
+from ..dispatch import cdiv, f16_mma_block_k, next_pow2, triton_interpreting, use_triton
 from .configs import default_config, get_moe_config
 from .reference import activation_code, align_tokens_to_experts_ref, check_shapes, max_padded_pairs
 from .triton_kernels import (moe_align_kernel, moe_combine_kernel, moe_down_gemv_kernel, moe_gemm_kernel,
@@ -114,8 +114,7 @@ def launch_gemm(
         sorted_ids, expert_ids, num_post = align
         num_m_blocks = expert_ids.numel()
         grid = (num_m_blocks * cdiv(n_out, block_n),)
-    kernel = moe_gemm_kernel.get()
-    launch = functools.partial(kernel.warmup, grid=grid) if warmup else on_tensor_device(kernel[grid])
+    launch = functools.partial(moe_gemm_kernel.get().warmup, grid=grid) if warmup else moe_gemm_kernel[grid]
     a_s, w_s, c_s = a.stride(), w.stride(), c.stride()  # (one call each: this runs for every GEMM of an eager step)
     b_s = bias.stride() if bias is not None else (0, 0)
     launch(
@@ -193,8 +192,7 @@ def launch_up_gemv(x, gate_up_w, gate_up_bias, inter_buf, flat_ids, topk, num_ex
     num_pairs, inter = inter_buf.shape
     block_k, mma = _gemv_tiles(cfg, x.shape[1], gate_up_block if gate_up_scale is not None else None, x.dtype)
     grid = (num_pairs, cdiv(inter, cfg["BLOCK_N"]))
-    kernel = moe_up_gemv_kernel.get()
-    launch = functools.partial(kernel.warmup, grid=grid) if warmup else on_tensor_device(kernel[grid])
+    launch = functools.partial(moe_up_gemv_kernel.get().warmup, grid=grid) if warmup else moe_up_gemv_kernel[grid]
     has_bias, scaled = gate_up_bias is not None, gate_up_scale is not None
     launch(
         x, gate_up_w, gate_up_bias if has_bias else inter_buf, inter_buf, flat_ids,
@@ -219,8 +217,7 @@ def launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk,
     block_k, mma = _gemv_tiles(cfg, inter_buf.shape[1], down_block if down_scale is not None else None,
                                inter_buf.dtype)
     grid = (num_tokens, cdiv(hidden_size, cfg["BLOCK_N"]))
-    kernel = moe_down_gemv_kernel.get()
-    launch = functools.partial(kernel.warmup, grid=grid) if warmup else on_tensor_device(kernel[grid])
+    launch = functools.partial(moe_down_gemv_kernel.get().warmup, grid=grid) if warmup else moe_down_gemv_kernel[grid]
     has_bias, scaled = down_bias is not None, down_scale is not None
     launch(
         inter_buf, down_w, down_bias if has_bias else out, out, flat_ids, routing,
