@@ -630,10 +630,10 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                         "auto": lambda i: block_fp8_linear(x, *weights[i][:2], block)}
             if t <= fp8_linear.GEMV_MAX_TOKENS:
                 variants["gemv"] = lambda i: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block)
-                mma = fp8_linear.GEMVConfig(16, 128, 4, mma=True)  # (untried: one tile; --gemv-sweep sweeps more)
+                mma = fp8_linear.GEMVConfig(16, 128, 4, mma=True)  # (slower on an H200: one tile; --gemv-sweep sweeps more)
                 variants["gemv_mma"] = lambda i: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block,
                                                                           config=mma)
-            # the weight-only GEMM's fp16 dots on bf16 activations (untried: the table's tile with f16_dot)
+            # the weight-only GEMM's fp16 dots on bf16 activations (slower on an H200: the table's tile with f16_dot)
             f16 = fp8_linear._resolved(fp8_linear.W8_CONFIGS, t, n * k, block[1], None, None)._replace(f16_dot=True)
             variants["weight_only_f16dot"] = lambda i: fp8_linear.w8_linear_triton(x, *weights[i][:2], None, *block,
                                                                                   config=f16)

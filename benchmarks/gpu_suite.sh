@@ -74,7 +74,8 @@ want fp8_decode && step 200 python3 benchmarks/bench_fp8_gemm.py --experts-sweep
            --out "$out/fp8_experts_sweep_aligned.json"
 want fp8_decode && step 150 python3 benchmarks/profile_decode_step.py --fp8-weights --fp8-cache --shapes 1x512,16x4096 \
            --out "$out/profile_decode_step_fp8.json"
-# the FP8 kernels' untried variants beside the defaults: the expert GEMMs' fp16 dots ("f16_dot", fp8_gemms_f16dot)
+# the FP8 kernels' variants that lost on an H200 (fp8_*_variants.json, fp8_gemv_sweep_mma.json), beside
+# the defaults: the expert GEMMs' fp16 dots ("f16_dot", fp8_gemms_f16dot)
 # and the GEMVs' fp16 tensor cores ("mma": the experts' fp8_mma variant; the linear GEMV in the sweep), and the
 # linear's weight-only GEMM with f16_dot (weight_only_f16dot) and GEMV with mma (gemv_mma) at decode sizes
 want fp8_variants && step 90 python3 benchmarks/bench_fp8_gemm.py --experts --tokens 1,2,4,8,16 \

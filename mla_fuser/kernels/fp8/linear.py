@@ -118,8 +118,9 @@ class W8Config(NamedTuple):
     two dividing the quantisation block's ``bk``), Triton's ``warps``/``stages``; split-K aims at ``fill``
     programs per SM when the output tiles alone give fewer (0: never split); ``dot``: tensor-core MMA on the
     widened weights, else an fp32 multiply-and-sum (a GEMV, for ``block_m`` 1-4); ``f16_dot``: with ``dot`` and bf16
-    activations, fp16 dots on power-of-two-scaled rows (``w8_gemm_kernel``'s ``F16_DOT``; not measured, off in every
-    table row)."""
+    activations, fp16 dots on power-of-two-scaled rows (``w8_gemm_kernel``'s ``F16_DOT``; off in every
+    table row: slower on an H200 at 1-16 tokens on every shape measured, e.g. V3's MLP down 77 against 63 us,
+    ``fp8_gemm_variants.json``)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -170,7 +171,8 @@ class GEMVConfig(NamedTuple):
     block_k: int = 1024
     warps: int = 4
     stages: int = 2
-    mma: bool = False  # fp16 tensor-core dots (w8_gemv_kernel's MMA) where they fit: not measured, off by default
+    mma: bool = False  # fp16 tensor-core dots (w8_gemv_kernel's MMA) where they fit: off, slower on an H200 at every
+    # tile swept (fp8_gemv_sweep_mma.json: V3's MLP down 148 against 41 us)
 
 
 GEMV_CONFIG = GEMVConfig()
