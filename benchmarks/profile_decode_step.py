@@ -16,6 +16,8 @@ import collections
 import json
 import os
 
+import time
+
 import torch
 
 
@@ -58,7 +60,8 @@ def profile_shape(model, batch: int, length: int, replays: int, device: str, lay
     from mla_fuser.runtime import DecodeGraph
 
     ids = torch.randint(3, 1000, (batch, length), device=device)
-    cache = PagedLatentCache.static_for(model, batch, length + replays + 8, dtype=cache_dtype)
+    timed = 30  # (replays timed back to back after the profiled ones: the cache holds them all)
+    cache = PagedLatentCache.static_for(model, batch, length + replays + timed + 8, dtype=cache_dtype)
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache}).logits[:, -1]
         step = DecodeGraph(model, cache)
@@ -69,6 +72,13 @@ def profile_shape(model, batch: int, length: int, replays: int, device: str, lay
             position += 1
         if device == "cuda":
             torch.cuda.synchronize()
+        began = time.perf_counter()
+        for _ in range(timed):  # (replays back to back: the step's own time, host loop included)
+            token = step(token, torch.full_like(token, position)).argmax(-1, keepdim=True)
+            position += 1
+        if device == "cuda":
+            torch.cuda.synchronize()
+        replay_ms = (time.perf_counter() - began) * 1e3 / timed
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         with profile(activities=acts) as prof:
             for _ in range(replays):
@@ -78,6 +88,7 @@ def profile_shape(model, batch: int, length: int, replays: int, device: str, lay
                 torch.cuda.synchronize()
     events = _kernel_events(prof)
     row = {"batch": batch, "context": length, "replays": replays, "kernels_per_step": len(events) / replays,
+           "ms_per_replay": replay_ms,
            "rotary_recipes": _rotary_recipes(model), "router_on_kernel": _router_verdicts(model)}
     if not events:
         return row
@@ -110,6 +121,8 @@ def main():
     p.add_argument("--fp8-weights", action="store_true",
                    help="linears and expert stacks quantised to block FP8 on load")
     p.add_argument("--fp8-cache", action="store_true", help="a float8 latent cache")
+    p.add_argument("--ab-env", default=None, help="a switch of ours (e.g. MLA_FUSER_OVERLAP_SHARED_EXPERTS): every "
+                                                   "shape is profiled with it off, then on, in this process")
     args = p.parse_args()
     from mla_fuser.presets import load_for_cli
 
@@ -124,11 +137,17 @@ def main():
     cache_dtype = torch.float8_e4m3fn if args.fp8_cache else None
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "preset": preset,
               "fp8_weights": args.fp8_weights, "fp8_cache": args.fp8_cache, "runs": []}
-    for shape in args.shapes.split(","):
+    settings = [None] if args.ab_env is None else ["0", "1"]
+    for shape, setting in ((shape, setting) for shape in args.shapes.split(",") for setting in settings):
         batch, length = (int(v) for v in shape.split("x"))
+        if setting is not None:
+            os.environ[args.ab_env] = setting  # (read when the step is captured)
         row = profile_shape(model, batch, length, args.replays, device, layers, cache_dtype)
+        if setting is not None:
+            row["env"] = {args.ab_env: setting}
         result["runs"].append(row)
-        print(f"{shape}: {row['kernels_per_step']:.0f} kernels/step, rotary {row['rotary_recipes']}, router kernel {row['router_on_kernel']}, "
+        print(f"{shape} {row.get('env', '')}: {row.get('ms_per_replay') or 0:.3f} ms/replay, "
+              f"{row['kernels_per_step']:.0f} kernels/step, rotary {row['rotary_recipes']}, router kernel {row['router_on_kernel']}, "
               f"busy {row.get('kernel_us_per_step', 0):.0f} us, span {row.get('span_us_per_step', 0):.0f} us")
         for item in row.get("by_name", [])[:25]:
             print(f"   {item['us_per_step']:8.1f} us {item['per_step']:6.1f}x  {item['name']}")

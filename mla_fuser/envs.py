@@ -53,6 +53,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("MLA_FUSER_DECODE_TILES", "path", None,
              "JSON of tuned MLA decode tiles per latent shape (the table `benchmarks/tune_mla_decode.py` writes), "
              "instead of the one shipped for Hopper"),
+    Variable("MLA_FUSER_OVERLAP_SHARED_EXPERTS", "switch", True,
+             "`0` keeps an MoE block's shared experts on the block's own CUDA stream in captured (CUDA-graph) steps "
+             "instead of running them on a second stream beside the routed experts"),
     Variable("MLA_FUSER_DIRECT_LAUNCH", "switch", True,
              "`0` launches compiled Triton kernels through Triton's own `JITFunction.run` every time instead of "
              "straight through the kernel Triton compiled for the call's specialisation (less host time per launch)"),

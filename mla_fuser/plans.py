@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("mla", "moe", "mamba", "norm", "router", "mlp")
+KINDS = ("mla", "moe", "mamba", "norm", "router", "mlp", "shared_overlap")
 _PLAN_ATTRS = {kind: f"_mla_fuser_{kind}_plan" for kind in KINDS}
 _STATE_ATTR = "_mla_fuser_state"
 

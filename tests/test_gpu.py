@@ -145,6 +145,36 @@ def test_decode_graph_replays_equal_eager_bf16(models):
 
 
 @torch.no_grad()
+def test_shared_experts_beside_the_routed_ones_replay_the_same_logits_bf16(models, monkeypatch):
+    """Shared experts on a side stream in the captured step (``fusers.moe.shared_overlap``): the same kernels, so the
+    replayed logits equal those of a capture without the overlap bit for bit; the capture did take the side stream."""
+    from mla_fuser.plans import plan_of
+
+    _, fused = models
+    plans = [plan_of(m, "shared_overlap") for m in fused.modules() if plan_of(m, "shared_overlap") is not None]
+    assert plans
+    ids, _ = _prompts([96, 96, 96, 96], fused.config.vocab_size, seed=3)
+    runs = []
+    for overlap in ("0", "1"):
+        monkeypatch.setenv("MLA_FUSER_OVERLAP_SHARED_EXPERTS", overlap)
+        before = sum(p.overlapped_calls for p in plans)
+        cache = PagedLatentCache(fused, static=True, max_seq_len=160, max_cache_tokens=4 * 256)
+        first = fused(input_ids=ids, **_cache_kw(fused, cache), use_cache=True).logits[:, -1]
+        step = mla_fuser.DecodeGraph(fused, cache, capture=True)
+        token, logits = first.argmax(-1, keepdim=True), []
+        for i in range(8):
+            out = step(token, torch.full_like(token, ids.shape[1] + i))
+            logits.append(out)
+            token = out.argmax(-1, keepdim=True)
+        runs.append((torch.stack(logits, 1), sum(p.overlapped_calls for p in plans) - before, step.captures))
+    (plain, plain_calls, _), (overlapped, overlapped_calls, captures) = runs
+    RESULTS["shared_overlap_replay_bitwise_equal"] = torch.equal(plain, overlapped)
+    RESULTS["shared_overlap_rel_err"] = _rel(plain, overlapped)
+    assert plain_calls == 0 and overlapped_calls >= len(plans) and captures == 1
+    assert torch.equal(plain, overlapped)
+
+
+@torch.no_grad()
 @needs_mamba_fusion
 def test_decode_graph_mamba2_equals_eager_bf16():
     from transformers import DynamicCache, Mamba2Config, Mamba2ForCausalLM

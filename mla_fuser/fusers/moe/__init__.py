@@ -11,6 +11,7 @@ The package, bottom up (each module imports only those above it):
   this package) and the per-block switch of decorated experts to it, which survives ``generate``'s decode swap;
 * ``stacking``: ModuleList experts: stacked weights, the routing replayed (``route``), a forward bound to the
   block;
+* ``shared_overlap``: hooks that run a block's shared experts on a second CUDA stream in captured steps;
 * ``match``: ``MoEFuser``, which ties the above together.
 
 The kernel backend follows ``MLA_FUSER_BACKEND`` (``kernels.dispatch``), read at every call.

@@ -28,6 +28,7 @@ from .inline import inline_children
 from .mlp import activation_name, fingerprint, mlp_spec
 from .router import Interpreter, Sym, router_spec, shape_of
 from .router_binding import bind_router
+from .shared_overlap import attach_shared_overlap
 from .specs import MLPSpec, MoEMatch, SharedExpert
 from .stacking import apply_module_list
 
@@ -120,6 +121,8 @@ class MoEFuser(Fuser):
                 how += "; " + bind_router(module, match)
             else:
                 how = apply_module_list(module, match)
+            overlap = attach_shared_overlap(module, match)
+            how += f"; {overlap}" if overlap else ""
         except NoMatch as exc:
             row.reason = str(exc)
             return row
