@@ -147,7 +147,6 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
     import torch
     from mla_fuser.kernels.fused_moe import (fused_experts, fused_experts_fp8, fused_experts_fp8_ref,
                                              fused_experts_fp8_triton, fused_experts_triton)
-    from mla_fuser.kernels.fused_moe.configs import get_moe_config
     from mla_fuser.kernels.fused_moe.fp8_launch import choose_fp8_path
     from mla_fuser.kernels.fused_moe.launch import _choose_path, gemv_down_max_tokens
 
@@ -178,17 +177,6 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
         if t <= gemv_down_max_tokens():
             variants["fp8_gemms_f16act"] = lambda i: fused_experts_fp8_triton(xh, q1, s1, q2, s2, *routes[i],
                                                                               **layout, decode_gemv=False)
-        # the same for bf16 activations, scaled into fp16 in the kernel ("f16_dot" tiles; no default sets them yet)
-        fp8_path = choose_fp8_path("auto", t, t * k)
-        tiles = get_moe_config(fp8_path, t, k, shape["num_experts"], fp8=True, hidden=h)
-        f16_tiles = dict(tiles, gemm1=dict(tiles["gemm1"], f16_dot=True), gemm2=dict(tiles["gemm2"], f16_dot=True))
-        variants["fp8_gemms_f16dot"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
-                                                                          config=f16_tiles, decode_gemv=False)
-        if t <= gemv_down_max_tokens():  # the decode GEMVs' fp16 tensor-core variant (one untuned tile)
-            mma = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=2, mma=True)
-            mma_tiles = dict(tiles, fp8_gemv1=mma, fp8_gemv2=mma)
-            variants["fp8_mma"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
-                                                                     config=mma_tiles)
         row = {"tokens": t, "experts_picked": picked, "path": _choose_path("auto", t, t * k),
                "fp8_path": choose_fp8_path("auto", t, t * k)}
         for label, fn in variants.items():
@@ -205,7 +193,7 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
             except Exception as exc:  # record and go on
                 row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                 traceback.print_exc()
-        for label in ("fp8", "fp8_gemms", "fp8_f16act", "fp8_gemms_f16act", "fp8_gemms_f16dot", "fp8_mma"):
+        for label in ("fp8", "fp8_gemms", "fp8_f16act", "fp8_gemms_f16act"):
             if f"{label}_ms" in row and "bf16_ms" in row:
                 row[f"{label}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{label}_ms"]
         result["rows"].append(row)
@@ -496,10 +484,6 @@ def run_sweep(args, result, device, eager_ms, graph_ms, log):
 
 GEMV_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (4, 8, 16) for bk in (256, 512, 1024)
               for w in (4, 8)]
-# the linear GEMV's fp16 tensor-core variant (``GEMVConfig.mma``): row tiles of 16 at least, K tiles within a scale
-# column; timed for the linear only (``tune_moe_gemv.py`` sweeps the experts' GEMVs)
-GEMV_MMA_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, mma=True) for bn in (16, 32, 64) for bk in (64, 128)
-                  for w in (2, 4, 8)]
 GEMV_SWEEP_SHAPES = ("v2lite.q_proj", "v2lite.kv_a_proj", "v2lite.o_proj", "v2lite.shared.gate_up",
                      "v2lite.shared.down", "v3.mlp.gate_up", "v3.mlp.down")
 
@@ -529,9 +513,8 @@ def run_gemv_sweep(args, result, device, graph_ms, tokens):
         for t in tokens:
             x = torch.randn(t, k, device=device, generator=gen).to(torch.bfloat16)
             ref = block_fp8_linear_ref(x, *weights[0][:2], *block).float()
-            for cfg in grid + ([] if args.dry_run else GEMV_MMA_SWEEP):
-                conf = fp8_linear.GEMVConfig(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"],
-                                             mma=cfg.get("mma", False))
+            for cfg in grid:
+                conf = fp8_linear.GEMVConfig(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"])
                 fn = (lambda i, c=conf: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block, config=c))
                 err = float((fn(0).float() - ref).abs().max() / ref.abs().max())
                 records.append(dict(kind="linear", shape=name, tokens=t, **cfg, rel_err=err,
@@ -554,13 +537,13 @@ def run_gemv_sweep(args, result, device, graph_ms, tokens):
         if r["rel_err"] < MAX_REL_ERR["weight_only"] and (key not in best or r["ms"] < best[key]["ms"]):
             best[key] = r
     for r in records:
-        cfg = (r["kind"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r.get("mma", False))
+        cfg = (r["kind"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"])
         by_cfg.setdefault(cfg, []).append(r["ms"] / max(best[(r["kind"], r["shape"], r["tokens"])]["ms"], 1e-12))
     overall = {}
     for (kind, *cfg), ratios in by_cfg.items():
         geo = math.exp(sum(math.log(max(v, 1e-12)) for v in ratios) / len(ratios))
         if kind not in overall or geo < overall[kind]["geomean_vs_best"]:
-            overall[kind] = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], mma=cfg[3], geomean_vs_best=geo,
+            overall[kind] = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], geomean_vs_best=geo,
                                  worst_vs_best=max(ratios))
     result["gemv_sweep"] = dict(records=records, best=list(best.values()), best_overall=overall)
     for r in best.values():
@@ -630,13 +613,6 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                         "auto": lambda i: block_fp8_linear(x, *weights[i][:2], block)}
             if t <= fp8_linear.GEMV_MAX_TOKENS:
                 variants["gemv"] = lambda i: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block)
-                mma = fp8_linear.GEMVConfig(16, 128, 4, mma=True)  # (slower on an H200: one tile; --gemv-sweep sweeps more)
-                variants["gemv_mma"] = lambda i: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block,
-                                                                          config=mma)
-            # the weight-only GEMM's fp16 dots on bf16 activations (slower on an H200: the table's tile with f16_dot)
-            f16 = fp8_linear._resolved(fp8_linear.W8_CONFIGS, t, n * k, block[1], None, None)._replace(f16_dot=True)
-            variants["weight_only_f16dot"] = lambda i: fp8_linear.w8_linear_triton(x, *weights[i][:2], None, *block,
-                                                                                  config=f16)
             if has_tc:
                 variants["fp8_tc"] = lambda i: fp8_linear.fp8_linear_triton(x, *weights[i][:2], None, *block)
             row = {"shape": name, "N": n, "K": k, "tokens": t, "auto_path": fp8_linear.choose_path(t, x, *block)}
@@ -657,7 +633,7 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                 except Exception as exc:  # record and go on: one run on the GPU must give every other number
                     row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                     traceback.print_exc()
-            for label in ("weight_only", "gemv", "fp8_tc", "auto", "gemv_mma", "weight_only_f16dot"):
+            for label in ("weight_only", "gemv", "fp8_tc", "auto"):
                 for kind in ("", "eager_"):
                     if f"{label}_{kind}ms" in row and f"bf16_mm_{kind}ms" in row:
                         row[f"{label}_{kind}speedup_vs_bf16"] = row[f"bf16_mm_{kind}ms"] / row[f"{label}_{kind}ms"]

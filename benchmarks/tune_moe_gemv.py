@@ -4,7 +4,7 @@ At one to four tokens the small path of ``fused_experts`` / ``fused_experts_fp8`
 ``moe_up_gemv_kernel`` (gate/up projection + activation; for bf16 it replaces the small path's GEMM1) and
 ``moe_down_gemv_kernel`` (down projection + routing weights + combine). Both are bound by the bytes of expert weights
 they read, so their tiles decide how much of the copy bandwidth they reach. This script times every tile of ``GRID``
-(and for FP8 ``MMA_GRID``, the GEMVs' fp16 tensor-core variant) for each kernel, dtype and token count on one
+for each kernel, dtype and token count on one
 DeepSeek-V2-Lite MoE layer (64 experts, hidden 2048, intermediate 1408, top-6) and, with ``--shapes v2lite,v3``, a
 DeepSeek-V3-shaped one (hidden 7168, intermediate 2048, top-8): random routings, each call another one, in one CUDA
 graph; beside the bf16 GEMM1 the up GEMV may replace; every tile's output checked against the first one's (the same
@@ -43,12 +43,8 @@ from bench_fp8_gemm import (EXPERTS, ROUTINGS, TINY_EXPERTS, expert_layer, make_
 
 GRID = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
         for bn, bk, w, st in itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8), (1, 2, 3))]
-# the FP8 GEMVs' fp16 tensor-core variant (``"mma"``: row tiles of 16 at least, K tiles within one scale column)
-MMA_GRID = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, mma=True)
-            for bn, bk, w, st in itertools.product((16, 32, 64), (64, 128), (2, 4, 8), (1, 2, 3))]
 DRY_GRID = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=2) for bn, bk in ((8, 16), (16, 32))]
-DRY_MMA_GRID = [dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2, mma=True)]
-KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "mma")
+KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 TOKENS = (1, 2, 4)
 BUCKETS = {1: (1,), 2: (2,), 4: (3, 4)}  # table bucket -> the token counts it serves (3 is timed as 4's nearest)
 V3 = dict(num_experts=32, hidden=7168, inter=2048, topk=8)  # (32 of V3's 256 experts: the per-expert shape counts)
@@ -56,8 +52,14 @@ OLD_DEFAULT = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=2)  # both GE
 
 
 def tile_of(record) -> tuple:
-    """A record's tile as a hashable tuple (``mma`` False where absent)."""
-    return tuple(bool(record.get(k, False)) if k == "mma" else record[k] for k in KEYS)
+    """A record's tile as a hashable tuple."""
+    return tuple(record[k] for k in KEYS)
+
+
+def runnable(records) -> list:
+    """Records of tiles the kernels still take: an earlier run's fp16 tensor-core variant (``"mma"``, measured
+    slower on an H200 and removed, ``fp8_experts_variants.json``) is left out."""
+    return [r for r in records if not r.get("mma")]
 
 
 def parse_args(argv=None):
@@ -132,12 +134,11 @@ def grids(args):
     """``{(kernel, dtype): [tile, ...]}``: the whole ``GRID``, or a previous run's ``--top`` tiles per (kernel,
     dtype, tokens) with ``OLD_DEFAULT``."""
     if args.dry_run:
-        return {(k, d): DRY_GRID + (DRY_MMA_GRID if d == "fp8" else [])
-                for k in ("up", "down") for d in ("bf16", "fp8")}
+        return {(k, d): DRY_GRID for k in ("up", "down") for d in ("bf16", "fp8")}
     if not args.candidates:
-        return {(k, d): GRID + (MMA_GRID if d == "fp8" else []) for k in ("up", "down") for d in ("bf16", "fp8")}
+        return {(k, d): GRID for k in ("up", "down") for d in ("bf16", "fp8")}
     with open(args.candidates) as f:
-        records = json.load(f)["records"]
+        records = runnable(json.load(f)["records"])
     out = {}
     for kernel in ("up", "down"):
         for dtype in ("bf16", "fp8"):
@@ -146,7 +147,7 @@ def grids(args):
                 rows = sorted((r for r in records if (r["kernel"], r["dtype"], r["tokens"]) == (kernel, dtype, tokens)
                                and r["rel_err"] <= 2e-2), key=lambda r: r["ms"])
                 tiles += [tile_of(r) for r in rows[:args.top]]
-            out[(kernel, dtype)] = [{k: v for k, v in zip(KEYS, t) if k != "mma" or v} for t in dict.fromkeys(tiles)]
+            out[(kernel, dtype)] = [dict(zip(KEYS, t)) for t in dict.fromkeys(tiles)]
     return out
 
 
@@ -220,6 +221,7 @@ def choose(records):
     bucket's token counts; tiles whose output strayed from the first tile's (beyond bf16 rounding) are never chosen.
     The bf16 up GEMV is marked ``beats_gemm1`` where it is faster than the GEMM at every such token count."""
     best, by_tile, gemm1 = {}, {}, {}
+    records = runnable(records)
     for r in records:
         case = (r["shape"], r["tokens"])
         if r["kernel"] == "gemm1":
@@ -245,7 +247,7 @@ def choose(records):
                     chosen[key] = (tile, regret, cases)
     tables = {}
     for (shape, kernel, dtype, bucket), (tile, regret, cases) in sorted(chosen.items()):
-        cfg = {k: v for k, v in zip(KEYS, tile) if k != "mma" or v}
+        cfg = dict(zip(KEYS, tile))
         cfg["worst_vs_best"] = round(regret, 4)
         if (kernel, dtype) == ("up", "bf16"):
             times = by_tile[(kernel, dtype, tile)]

@@ -61,17 +61,6 @@ def close_to_reference(out, ref, dtype):
     assert err <= tol * scale, f"max err {err:.3e} vs scale {scale:.3e}"
 
 
-def rows_close_to_reference(out, ref, rows, tol):
-    """Each of ``rows`` of ``out`` within ``tol`` of its own largest reference magnitude (rows whose magnitudes
-    differ by many orders, as the fp16-dot kernels' scaling tests make them), that magnitude nonzero, and every value
-    of ``out`` finite."""
-    out, ref = out.float(), ref.float()
-    assert torch.isfinite(out).all()
-    for r in rows:
-        scale = ref[r].abs().max()
-        assert scale > 0 and ((out[r] - ref[r]).abs().max() / scale).item() <= tol, r
-
-
 def left_padded_prompts(lengths, vocab=128, seed=0):
     """Random prompts of the given lengths, left-padded with 0 to the longest, and their attention mask."""
     gen = torch.Generator().manual_seed(seed)

@@ -26,7 +26,7 @@ from mla_fuser.kernels.fp8.experts import explain_fp8_experts, quantize_expert_s
 from mla_fuser.kernels.fused_moe import configs, fp8_launch
 from mla_fuser.kernels.fused_moe.fp8_reference import dequantize_expert
 
-from conftest import close_to_reference as _close, rows_close_to_reference, tiny_deepseek
+from conftest import close_to_reference as _close, tiny_deepseek
 
 transformers = pytest.importorskip("transformers")
 from transformers import FineGrainedFP8Config  # noqa: E402
@@ -79,30 +79,6 @@ def test_fp8_kernel_matches_reference(monkeypatch, path, dtype, inter, block, ha
     _close(out, ref, dtype)
 
 
-@needs_triton
-@pytest.mark.parametrize("path", ["small", "aligned"])
-def test_f16_dots_keep_every_row_exact(monkeypatch, path):
-    """``"f16_dot"`` tiles (bf16 activations, fp16 dot operands): rows far outside fp16's range (1e6), far below its
-    normal range (1e-7) and empty ones (a sentinel's) come out as the fp32 reference does, each row within bf16
-    rounding of its own magnitude; without the per-row power-of-two scaling the large rows would overflow to inf."""
-    if not ON_GPU:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    num_experts, hidden, inter, tokens, topk = 4, 48, 32, 6, 2
-    stacks, layout = _stacks(num_experts, hidden, inter, (16, 16), True)
-    gen = torch.Generator().manual_seed(5)
-    rows = torch.tensor([1.0, 1e6, 1e-7, 3.0, 1e5, 1e-3])[:, None]
-    x = (torch.randn(tokens, hidden, generator=gen) * rows).to(torch.bfloat16)
-    ids = torch.randint(0, num_experts, (tokens, topk), generator=gen)
-    ids[3] = num_experts  # a row of sentinels: nothing to compute
-    w = torch.rand(tokens, topk, generator=gen)
-    ref = fm.fused_experts_fp8_ref(x, *stacks, ids, w, **layout).float()
-    tiles = {k: dict(v, f16_dot=True) for k, v in TINY.items()}
-    dev = [t.to(DEVICE) for t in (x, *stacks, ids, w)]
-    out = fm.fused_experts_fp8_triton(*dev, path=path, config=tiles, decode_gemv=False, **layout).cpu().float()
-    assert torch.equal(out[3], torch.zeros_like(out[3]))
-    rows_close_to_reference(out, ref, (0, 1, 2, 4, 5), 2e-2)
-
-
 GEMV_TILES = {"fp8_gemv1": dict(BLOCK_N=8, BLOCK_K=32), "fp8_gemv2": dict(BLOCK_N=8, BLOCK_K=16)}
 
 
@@ -142,57 +118,6 @@ def test_decode_gemvs_match_reference(monkeypatch, dtype, tokens, inter, block, 
     if (inter, block, halves) == (24, (16, 16), False):
         assert up == 8
     _close(out, ref, dtype)
-
-
-MMA_TILES = {"fp8_gemv1": dict(BLOCK_N=16, BLOCK_K=64, mma=True), "fp8_gemv2": dict(BLOCK_N=32, BLOCK_K=64, mma=True)}
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("inter,block,halves", [(32, (16, 16), True), (48, (16, 32), False), (40, (32, 16), True)])
-def test_mma_decode_gemvs_keep_every_row_exact(monkeypatch, dtype, tokens, inter, block, halves):
-    """``"mma"`` GEMV tiles (fp16 tensor-core dots on 16-bit activations): bf16 rows far outside fp16's range (1e6) and
-    far below its normal range (1e-7) come out as the fp32 reference does, each within half-precision rounding of its own
-    magnitude; K tiles capped to one scale column (bk 16 or 32), row tiles to the blocks, rows past I masked, a
-    sentinel id."""
-    from mla_fuser.kernels.fused_moe import launch
-
-    if not ON_GPU:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    num_experts, hidden, topk = 5, 48, 3
-    stacks, layout = _stacks(num_experts, hidden, inter, block, halves)
-    gen = torch.Generator().manual_seed(9)
-    # (fp16 activations themselves hold only up to 65504, and so does the fp16 intermediate: smaller extremes there)
-    rows = torch.tensor([1e6, 1.0, 1e-7] if dtype == torch.bfloat16 else [3.0, 1.0, 1e-4])[:tokens, None]
-    x = (torch.randn(tokens, hidden, generator=gen) * rows).to(dtype)
-    ids = torch.randint(0, num_experts, (tokens, topk), generator=gen)
-    ids[0, 1] = num_experts
-    w = torch.rand(tokens, topk, generator=gen)
-    taken = []
-    real = launch._gemv_tiles
-    monkeypatch.setattr(launch, "_gemv_tiles", lambda *a: taken.append(real(*a)) or taken[-1])
-    ref = fm.fused_experts_fp8_ref(x, *stacks, ids, w, **layout).float()
-    dev = [t.to(DEVICE) for t in (x, *stacks, ids, w)]
-    out = fm.fused_experts_fp8_triton(*dev, config=MMA_TILES, **layout).cpu().float()
-    assert [mma for _, mma in taken] == [True, True] and all(bk == min(64, block[1]) for bk, _ in taken)
-    rows_close_to_reference(out, ref, range(tokens), 2e-2)
-
-
-def test_mma_gemvs_only_where_they_are_exact():
-    """The GEMVs' fp16 dots need a block-FP8 stack, 16-bit activations (fp32 ones would be rounded), row tiles of 16
-    at least and a power-of-two part of the block's bk of 16 at least; otherwise the FMA GEMV runs."""
-    from mla_fuser.kernels.fused_moe.launch import _gemv_tiles
-
-    mma = dict(BLOCK_N=16, BLOCK_K=512, mma=True)
-    assert _gemv_tiles(mma, 2048, (128, 128), torch.bfloat16) == (128, True)
-    assert _gemv_tiles(mma, 2048, (128, 128), torch.float16) == (128, True)
-    assert _gemv_tiles(dict(mma, BLOCK_K=64), 2048, (128, 128), torch.bfloat16) == (64, True)
-    assert _gemv_tiles(mma, 2048, (128, 128), torch.float32) == (512, False)
-    assert _gemv_tiles(mma, 2048, None, torch.bfloat16) == (512, False)
-    assert _gemv_tiles(dict(mma, BLOCK_N=8), 2048, (128, 128), torch.bfloat16) == (512, False)
-    assert _gemv_tiles(mma, 2048, (128, 24), torch.bfloat16) == (512, False)
-    assert _gemv_tiles(dict(mma, mma=False), 40, (128, 128), torch.bfloat16) == (64, False)
 
 
 @needs_triton

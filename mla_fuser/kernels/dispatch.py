@@ -99,14 +99,6 @@ def pow2_divisor(n: int, cap: int) -> int:
     return min(cap, n & -n) if n > 0 else cap
 
 
-def f16_mma_block_k(block_k: int, qbk: int) -> int:
-    """K tile of an FP8 decode kernel's fp16 tensor-core variant (its activations scaled into fp16 per row, each K
-    tile's dot scaled by one block scale): ``block_k`` capped to one scale column of ``qbk`` (any, for a per-tensor
-    scale: ``qbk <= 0``) and to 128, at least 16 (the dot's K); 0 where no such tile divides the column."""
-    column = pow2_divisor(qbk, 128)
-    return max(16, min(block_k, column)) if column >= 16 else 0
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Triton: lazy JIT and combine functions
 

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import cdiv, f16_mma_block_k, kernel_op, next_pow2, pow2_divisor, triton_interpreting, use_triton
+from ..dispatch import cdiv, kernel_op, next_pow2, pow2_divisor, triton_interpreting, use_triton
 from .format import FP8_DTYPE, FP8_MAX
 from .quant import dequantize_block_fp8, dequantize_token_groups, quantize_token_groups_ref
 from .triton_kernels import act_quant_kernel, fp8_gemm_kernel, splitk_reduce_kernel, w8_gemm_kernel, w8_gemv_kernel
@@ -117,10 +117,9 @@ class W8Config(NamedTuple):
     """A weight-only launch: ``block_m x block_n x block_k`` tiles (``block_k`` is capped to the largest power of
     two dividing the quantisation block's ``bk``), Triton's ``warps``/``stages``; split-K aims at ``fill``
     programs per SM when the output tiles alone give fewer (0: never split); ``dot``: tensor-core MMA on the
-    widened weights, else an fp32 multiply-and-sum (a GEMV, for ``block_m`` 1-4); ``f16_dot``: with ``dot`` and bf16
-    activations, fp16 dots on power-of-two-scaled rows (``w8_gemm_kernel``'s ``F16_DOT``; off in every
-    table row: slower on an H200 at 1-16 tokens on every shape measured, e.g. V3's MLP down 77 against 63 us,
-    ``fp8_gemm_variants.json``)."""
+    widened weights, else an fp32 multiply-and-sum (a GEMV, for ``block_m`` 1-4).  (fp16 dots on power-of-two-scaled
+    bf16 rows, which avoid widening e4m3 through fp16 to bf16, were slower on an H200 at 1-16 tokens on every shape
+    measured, e.g. V3's MLP down 77 against 63 us: ``fp8_gemm_variants.json``.)"""
 
     block_m: int = 16
     block_n: int = 64
@@ -129,7 +128,6 @@ class W8Config(NamedTuple):
     stages: int = 4
     fill: int = 2
     dot: bool = True
-    f16_dot: bool = False
 
 
 class TCConfig(NamedTuple):
@@ -171,8 +169,6 @@ class GEMVConfig(NamedTuple):
     block_k: int = 1024
     warps: int = 4
     stages: int = 2
-    mma: bool = False  # fp16 tensor-core dots (w8_gemv_kernel's MMA) where they fit: off, slower on an H200 at every
-    # tile swept (fp8_gemv_sweep_mma.json: V3's MLP down 148 against 41 us)
 
 
 GEMV_CONFIG = GEMVConfig()
@@ -240,7 +236,6 @@ def w8_plan(m: int, n: int, k: int, block_n: int, block_k: int, dtype: torch.dty
     splits = cdiv(k, k_per_split)  # (no split starts past K)
     meta = dict(HAS_BIAS=has_bias and splits == 1, EVEN_K=k % bk == 0, DOT=cfg.dot, UPCAST=interpreting,
                 IEEE=dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                F16_DOT=bool(cfg.f16_dot) and cfg.dot and dtype == torch.bfloat16,
                 num_warps=cfg.warps, num_stages=cfg.stages)
     return W8Plan(cfg, splits, k_per_split, (cdiv(m, bm), cdiv(n, bn), splits), (cdiv(m * n, _REDUCE_BLOCK),), meta)
 
@@ -284,20 +279,13 @@ class GEMVPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def gemv_plan(m: int, n: int, k: int, block_n: int, has_bias: bool, config: GEMVConfig = GEMV_CONFIG,
-              block_k: int = 0, half: bool = False) -> GEMVPlan:
-    """The decode GEMV's launch for one shape (cached like :func:`w8_plan`).  The fp16 tensor-core variant runs where
-    ``config.mma`` asks for it and it is exact and fits: 16-bit activations (``half``), row tiles of 16 at least, and K
-    tiles of 16 to 128 within one scale column (``block_k``, 0 for a per-tensor scale)."""
+def gemv_plan(m: int, n: int, k: int, block_n: int, has_bias: bool, config: GEMVConfig = GEMV_CONFIG) -> GEMVPlan:
+    """The decode GEMV's launch for one shape (cached like :func:`w8_plan`)."""
     bn = gemv_block_n(block_n, config.block_n)
     if not bn:
         raise ValueError(f"no GEMV row tile of at least {GEMV_MIN_BLOCK_N} divides the quantisation block {block_n}")
     bk = min(config.block_k, next_pow2(k))
-    mma_bk = f16_mma_block_k(bk, block_k) if config.mma and half and bn >= 16 else 0
-    mma = mma_bk > 0
-    if mma:
-        bk = mma_bk
-    meta = dict(HAS_BIAS=has_bias, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, MMA=mma, num_warps=config.warps,
+    meta = dict(HAS_BIAS=has_bias, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=config.warps,
                 num_stages=config.stages)
     return GEMVPlan((m, cdiv(n, bn)), meta)
 
@@ -310,8 +298,7 @@ def w8_gemv_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_k:
     n = weight.shape[0]
     if not (m and n and k):
         return block_fp8_linear_ref(x2, weight, scale, block_n, block_k, bias)
-    plan = gemv_plan(m, n, k, block_n, bias is not None, config, block_k,
-                     x2.dtype in (torch.bfloat16, torch.float16))
+    plan = gemv_plan(m, n, k, block_n, bias is not None, config)
     qbn, qbk = (block_n, block_k) if block_n > 0 else (_PER_TENSOR, _PER_TENSOR)
     scale2 = scale.reshape(1, 1) if scale.ndim == 0 else scale
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)

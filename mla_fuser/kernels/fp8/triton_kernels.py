@@ -47,11 +47,8 @@ def w8_gemm_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_os, stride_om,
     QBN, QBK,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F16_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """``F16_DOT`` (bf16 activations, with ``DOT``): fp16 dots, as ``fused_moe``'s ``moe_w8_gemm_kernel`` runs them:
-    each row of this split's K range scaled by a power of two into fp16's range (a first pass; exact), the split's
-    sum scaled back."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -63,15 +60,6 @@ def w8_gemm_kernel(
     s_rows = s_ptr + (tl.minimum(cols, N - 1) // QBN) * stride_sn
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     k_start = pid_s * K_PER_SPLIT
-    if F16_DOT:
-        amax = tl.full([BLOCK_M], 0.0, tl.float32)
-        for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xa = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_ok & (offs_k[None, :] < K), other=0.0)
-            amax = tl.maximum(amax, tl.reduce(tl.abs(xa.to(tl.float32)), 1, MAX_COMBINE))
-        e_bits = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)
-        row_scale = ((268 - e_bits) << 23).to(tl.float32, bitcast=True)
-        row_unscale = ((e_bits - 14) << 23).to(tl.float32, bitcast=True)
     for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -84,8 +72,6 @@ def w8_gemm_kernel(
         scale = tl.load(s_rows + (k0 // QBK) * stride_sk)
         if not DOT:
             part = tl.reduce(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2, SUM_COMBINE)
-        elif F16_DOT:
-            part = tl.dot((x.to(tl.float32) * row_scale[:, None]).to(tl.float16), tl.trans(w.to(tl.float16)))
         elif UPCAST:
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         elif IEEE:
@@ -93,8 +79,6 @@ def w8_gemm_kernel(
         else:
             part = tl.dot(x, tl.trans(w.to(x.dtype)))
         acc += part * scale[None, :]
-    if F16_DOT:
-        acc = acc * row_unscale[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + tl.minimum(cols, N - 1)).to(tl.float32)[None, :]
     out = out_ptr + pid_s * stride_os + rows[:, None] * stride_om + cols[None, :]
@@ -108,7 +92,6 @@ def w8_gemv_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_om,
     QBN, QBK,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    MMA: tl.constexpr,
 ):
     """The decode GEMV (one to a few tokens): ``out[m, cols] = x[m] @ dequant(W[cols])^T``, one program per (token,
     ``BLOCK_N`` rows), the whole of K in one launch (no split, no reduction launch).
@@ -116,53 +99,30 @@ def w8_gemv_kernel(
     ``BLOCK_N`` divides ``QBN``, so a tile's rows share one scale row: the scales then vary along K only and are
     folded into the activation vector (``x[k] * s[k // QBK]``, ``BLOCK_K`` values) instead of the weight tile, which
     lets ``BLOCK_K`` span several quantisation blocks (long, coalesced rows of e4m3).  The fp32 ``[BLOCK_N,
-    BLOCK_K]`` products accumulate elementwise and are summed once at the end.
-
-    ``MMA`` (16-bit activations, ``BLOCK_N >= 16``, ``BLOCK_K`` dividing ``QBK``): fp16 tensor-core dots instead of
-    fp32 FMAs, because widening e4m3 to fp32 costs a ``cvt.f32.f16`` per weight (a sixteenth of the FMA rate on
-    sm_90) on top of a ``cvt.rn.f16x2.e4m3x2`` per two.  The token's row is scaled by a power of two that puts its
-    largest magnitude in ``[2^14, 2^15)`` (a first pass over the row; exact for 16-bit values) and broadcast to the
-    dot's 16 columns; each K tile's result is scaled by its block scale, the sum by the inverse power of two."""
+    BLOCK_K]`` products accumulate elementwise and are summed once at the end.  Widening e4m3 to fp32 costs a
+    ``cvt.f32.f16`` per weight (after a ``cvt.rn.f16x2.e4m3x2`` per two) at a sixteenth of the FMA rate on sm_90; fp16
+    tensor-core dots on a power-of-two-scaled row avoid it but lost on an H200 at every tile swept
+    (``fp8_gemv_sweep_mma.json``)."""
     m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < N
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     s_row = s_ptr + (tl.program_id(1) * BLOCK_N // QBN) * stride_sn
     x_row = x_ptr + m.to(tl.int64) * stride_xm
-    if MMA:
-        amax = tl.full([BLOCK_K], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0)
-                                           .to(tl.float32)))
-        e_bits = tl.minimum(tl.maximum((tl.reduce(amax, 0, MAX_COMBINE).to(tl.int32, bitcast=True) >> 23) & 0xFF, 15),
-                            254)
-        x_scale = ((268 - e_bits) << 23).to(tl.float32, bitcast=True)
-        x_unscale = ((e_bits - 14) << 23).to(tl.float32, bitcast=True)
-        acc16 = tl.full([BLOCK_N, 16], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+    acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_row + offs_k * stride_xk).to(tl.float32)
+            scale = tl.load(s_row + (offs_k // QBK) * stride_sk)
+            w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok[:, None], other=0.0)
+        else:
             k_ok = offs_k < K
-            xm = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-            xb = tl.broadcast_to((xm * x_scale).to(tl.float16)[:, None], [BLOCK_K, 16])
-            wm = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc16 += tl.dot(wm.to(tl.float16), xb) * tl.load(s_row + (k0 // QBK) * stride_sk)
-        out = tl.reduce(acc16, 1, MAX_COMBINE) * x_unscale  # (the 16 columns are equal)
-    else:
-        acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                x = tl.load(x_row + offs_k * stride_xk).to(tl.float32)
-                scale = tl.load(s_row + (offs_k // QBK) * stride_sk)
-                w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = offs_k < K
-                x = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-                scale = tl.load(s_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
-                w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * (x * scale)[None, :]
-        out = tl.reduce(acc, 1, SUM_COMBINE)
+            x = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+            scale = tl.load(s_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
+            w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * (x * scale)[None, :]
+    out = tl.reduce(acc, 1, SUM_COMBINE)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + m.to(tl.int64) * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=n_ok)

@@ -22,7 +22,7 @@ interpreter's fp32 -> e4m3 rounding bug does not apply.
 
 from __future__ import annotations
 
-from ..dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, tl
+from ..dispatch import SUM_COMBINE, LazyJit, tl
 
 
 @LazyJit
@@ -34,16 +34,8 @@ def moe_w8_gemm_kernel(
     A_ROW_DIV: tl.constexpr, ALIGNED: tl.constexpr, GATED: tl.constexpr, MUL_ROUTING: tl.constexpr,
     ACT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, SCAN_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    F16_DOT: tl.constexpr,
 ):
-    """``C[pair, n] = epilogue(A[pair // A_ROW_DIV, :] @ dequant(W[e])[n, :])``; grids as ``moe_gemm_kernel``.
-
-    ``F16_DOT`` (bf16 activations): the dots run on fp16 operands, because widening e4m3 to fp16 is one
-    ``cvt.rn.f16x2.e4m3x2`` per two weights where bf16 adds a ``cvt.bf16.f16`` per weight (the PTX Triton 3.6 and 3.9
-    emit for sm_90; conversions run at a sixteenth of the FMA rate there). Each A row is scaled by a power of two that
-    puts its largest magnitude in ``[2^14, 2^15)`` (a first pass over the row finds it), so the row fits fp16's range
-    and every bf16 value in it down to 2^-29 of that maximum stays exact; the accumulators are scaled back at the end
-    (exact). Products are exact in the fp32 accumulators, as on the bf16 path; only the summation order differs."""
+    """``C[pair, n] = epilogue(A[pair // A_ROW_DIV, :] @ dequant(W[e])[n, :])``; grids as ``moe_gemm_kernel``."""
     if ALIGNED:
         pid = tl.program_id(0)
         num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -98,16 +90,6 @@ def moe_w8_gemm_kernel(
             row_ok = j < cnt
         a_rows = (rows // A_ROW_DIV).to(tl.int64)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-        if F16_DOT:
-            amax = tl.full([BLOCK_M], 0.0, tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a = tl.load(a_ptrs + k0 * stride_ak, mask=row_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-                amax = tl.maximum(amax, tl.reduce(tl.abs(a.to(tl.float32)), 1, MAX_COMBINE))
-            # biased exponent E of the row's maximum (15 at least: empty rows, and 2^(E - 141) stays normal); the row
-            # is scaled by 2^(141 - E) and the results by 2^(E - 141), both built from their exponent bits
-            e_bits = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)
-            row_scale = ((268 - e_bits) << 23).to(tl.float32, bitcast=True)
-            row_unscale = ((e_bits - 14) << 23).to(tl.float32, bitcast=True)
         wg_ptrs = w_base + g_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
         wu_ptrs = w_base + u_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
@@ -117,10 +99,7 @@ def moe_w8_gemm_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             sg = tl.load(sg_rows + (k0 // QBK) * stride_sk, mask=n_ok, other=0.0)
-            if F16_DOT:  # (the interpreter computes fp16 dots exactly in fp32, as the tensor cores do)
-                a16 = (a.to(tl.float32) * row_scale[:, None]).to(tl.float16)
-                part = tl.dot(a16, wg.to(tl.float16))
-            elif UPCAST:  # interpreter only
+            if UPCAST:  # interpreter only
                 a = a.to(tl.float32)
                 part = tl.dot(a, wg.to(tl.float32), input_precision="ieee")
             elif IEEE:
@@ -131,9 +110,7 @@ def moe_w8_gemm_kernel(
             if GATED:
                 wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 su = tl.load(su_rows + (k0 // QBK) * stride_sk, mask=n_ok, other=0.0)
-                if F16_DOT:
-                    part_u = tl.dot(a16, wu.to(tl.float16))
-                elif UPCAST or IEEE:
+                if UPCAST or IEEE:
                     part_u = tl.dot(a, wu.to(tl.float32), input_precision="ieee")
                 else:
                     part_u = tl.dot(a, wu.to(a.dtype))
@@ -142,9 +119,6 @@ def moe_w8_gemm_kernel(
             wg_ptrs += BLOCK_K * stride_wk
             wu_ptrs += BLOCK_K * stride_wk
 
-        if F16_DOT:
-            acc = acc * row_unscale[:, None]
-            acc_u = acc_u * row_unscale[:, None]
         if GATED:
             if ACT == 0:
                 acc = acc / (1.0 + tl.exp(-acc))

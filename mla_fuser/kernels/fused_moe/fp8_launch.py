@@ -76,11 +76,10 @@ def choose_fp8_path(path: str, num_tokens: int, num_pairs: int) -> str:
 
 def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out, k_dim, a_row_div, gated, act,
                    block, cfg, num_experts, up_scale_base=0, up_row_shift=0):
-    """One block-FP8 expert-grouped GEMM (GEMM1 if ``gated`` else GEMM2); ``align`` None = small path.  A tile config
-    with ``"f16_dot": True`` runs bf16 activations' dots on fp16 operands (``moe_w8_gemm_kernel``'s ``F16_DOT``; no
-    default config sets it: on an H200 it is slower than the plain bf16 dots at 1-16 tokens, 184 against 166 us for a
-    V2-Lite layer at 16, ``fp8_experts_variants.json``: the per-row scaling pass costs more than the fp16 widening
-    saves)."""
+    """One block-FP8 expert-grouped GEMM (GEMM1 if ``gated`` else GEMM2); ``align`` None = small path.  (bf16
+    activations' dots on fp16 operands, which widen e4m3 without the detour through fp16 to bf16, were slower on an
+    H200 at 1-16 tokens, 184 against 166 us for a V2-Lite layer at 16, ``fp8_experts_variants.json``: the per-row
+    scaling pass they need cost more than the widening saved.)"""
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     block_k = min(cfg["BLOCK_K"], pow2_divisor(block[1], 128))
     if align is None:
@@ -99,7 +98,6 @@ def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out
         block[0], block[1], up_scale_base, up_row_shift,
         A_ROW_DIV=a_row_div, ALIGNED=align is not None, GATED=gated, MUL_ROUTING=routing is not None, ACT=act,
         IEEE=a.dtype == torch.float32, UPCAST=not a.is_cuda and triton_interpreting(),
-        F16_DOT=bool(cfg.get("f16_dot")) and a.dtype == torch.bfloat16,
         SCAN_P=cfg.get("SCAN_P", min(512, max(16, next_pow2(num_pairs)))),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.get("GROUP_M", 1),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),

@@ -7,8 +7,7 @@ best tile at two tokens on a DeepSeek-V2-Lite layer (hidden 2048; 16 us) ran 2.3
 V3-shaped layer (hidden 7168; ``benchmarks/results/moe_decode_gemv_tables.json``).  So ``benchmarks/tune_moe_gemv.py --table`` writes one row per measured hidden
 size, and a layer takes the row of the nearest hidden size (by ratio).  In a row, per dtype, token buckets (the
 smallest bucket >= the tokens serves them; none past the last): ``gemv2`` always, ``gemv1`` only where the GEMV beat
-the GEMM it replaces in that sweep (bf16; the FP8 GEMM1 has no such rival at decode sizes).  A tile may say
-``"mma": true``: the FP8 GEMVs then run fp16 tensor-core dots (``moe_down_gemv_kernel``'s ``MMA``) where they fit.
+the GEMM it replaces in that sweep (bf16; the FP8 GEMM1 has no such rival at decode sizes).
 
 The tiles are valid on any GPU (they are tile sizes, never a different computation), just tuned on one.  A malformed
 table raises, naming the file: a typo must not silently fall back to other tiles.
@@ -27,9 +26,8 @@ DTYPES = ("bf16", "fp8")
 
 
 def _tile(path: str, where: str, tile) -> dict:
-    if not isinstance(tile, dict) or set(tile) - {"mma"} != set(FIELDS) or not isinstance(tile.get("mma", False), bool):
-        raise ValueError(f"{path}: {where} must have exactly the fields {list(FIELDS)} (and a boolean mma), got "
-                         f"{tile!r}")
+    if not isinstance(tile, dict) or set(tile) != set(FIELDS):
+        raise ValueError(f"{path}: {where} must have exactly the fields {list(FIELDS)}, got {tile!r}")
     for name in FIELDS:
         value = tile[name]
         ok = type(value) is int and value > 0 and (name not in ("BLOCK_N", "BLOCK_K") or value & (value - 1) == 0)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ... import envs
-from ..dispatch import cdiv, f16_mma_block_k, next_pow2, triton_interpreting, use_triton
+from ..dispatch import cdiv, next_pow2, triton_interpreting, use_triton
 from .configs import default_config, get_moe_config
 from .reference import activation_code, align_tokens_to_experts_ref, check_shapes, max_padded_pairs
 from .triton_kernels import (moe_align_kernel, moe_combine_kernel, moe_down_gemv_kernel, moe_gemm_kernel,
@@ -170,27 +170,18 @@ def _scan_p(num_pairs: int) -> int:
     return min(512, max(16, next_pow2(num_pairs)))
 
 
-def _gemv_tiles(cfg, k_dim, block, act_dtype):
-    """``(BLOCK_K, MMA)`` of a decode GEMV launch: the config's K tile (at most the next power of two of K), and
-    whether it runs fp16 tensor-core dots: asked for (``"mma"``), a block-FP8 stack (``block``), 16-bit activations
-    (exact in fp16 once scaled; fp32 ones would be rounded), row tiles of 16 at least, and a K tile of 16 to 128 that
-    divides the block's ``bk`` (one scale column per K tile)."""
-    block_k = min(cfg["BLOCK_K"], next_pow2(k_dim))
-    if not (cfg.get("mma") and block is not None and cfg["BLOCK_N"] >= 16
-            and act_dtype in (torch.bfloat16, torch.float16)):
-        return block_k, False
-    mma_bk = f16_mma_block_k(block_k, block[1])
-    return (mma_bk, True) if mma_bk else (block_k, False)
+def _gemv_block_k(cfg, k_dim):
+    """A decode GEMV launch's K tile: the config's, at most the next power of two of K."""
+    return min(cfg["BLOCK_K"], next_pow2(k_dim))
 
 
 def launch_up_gemv(x, gate_up_w, gate_up_bias, inter_buf, flat_ids, topk, num_experts, act, interleaved, cfg,
                    warmup=False, gate_up_scale=None, gate_up_block=None, up_scale_base=0, up_row_shift=0):
     """Launch the decode path's GEMM1 + activation GEMV (``moe_up_gemv_kernel``) into ``inter_buf [pairs, I]``.
     ``gate_up_scale`` / ``gate_up_block``: a block-FP8 stack's fp32 scales and ``(bn, bk)``, with the up half's scale
-    rows placed by ``up_scale_base`` / ``up_row_shift``; ``cfg["BLOCK_N"]`` must divide ``bn`` and the shift;
-    ``cfg["mma"]``: fp16 tensor-core dots where they fit (:func:`_gemv_tiles`)."""
+    rows placed by ``up_scale_base`` / ``up_row_shift``; ``cfg["BLOCK_N"]`` must divide ``bn`` and the shift."""
     num_pairs, inter = inter_buf.shape
-    block_k, mma = _gemv_tiles(cfg, x.shape[1], gate_up_block if gate_up_scale is not None else None, x.dtype)
+    block_k = _gemv_block_k(cfg, x.shape[1])
     grid = (num_pairs, cdiv(inter, cfg["BLOCK_N"]))
     launch = functools.partial(moe_up_gemv_kernel.get().warmup, grid=grid) if warmup else moe_up_gemv_kernel[grid]
     has_bias, scaled = gate_up_bias is not None, gate_up_scale is not None
@@ -203,7 +194,7 @@ def launch_up_gemv(x, gate_up_w, gate_up_bias, inter_buf, flat_ids, topk, num_ex
         gate_up_scale if scaled else inter_buf, *(gate_up_scale.stride() if scaled else (0, 0, 0)),
         *(gate_up_block if scaled else (1, 1)), up_scale_base, up_row_shift,
         TOPK=topk, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=has_bias, SCALED=scaled,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, MMA=mma,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
 
@@ -211,11 +202,9 @@ def launch_up_gemv(x, gate_up_w, gate_up_bias, inter_buf, flat_ids, topk, num_ex
 def launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk, num_experts, cfg, warmup=False,
                      down_scale=None, down_block=None):
     """Launch the small path's GEMM2 + K-sum GEMV (``moe_down_gemv_kernel``) into ``out [T, H]``.  ``down_scale`` /
-    ``down_block``: a block-FP8 down stack's fp32 scales and ``(bn, bk)``; ``cfg["BLOCK_N"]`` must divide ``bn``;
-    ``cfg["mma"]``: fp16 tensor-core dots where they fit (:func:`_gemv_tiles`)."""
+    ``down_block``: a block-FP8 down stack's fp32 scales and ``(bn, bk)``; ``cfg["BLOCK_N"]`` must divide ``bn``."""
     num_tokens, hidden_size = out.shape
-    block_k, mma = _gemv_tiles(cfg, inter_buf.shape[1], down_block if down_scale is not None else None,
-                               inter_buf.dtype)
+    block_k = _gemv_block_k(cfg, inter_buf.shape[1])
     grid = (num_tokens, cdiv(hidden_size, cfg["BLOCK_N"]))
     launch = functools.partial(moe_down_gemv_kernel.get().warmup, grid=grid) if warmup else moe_down_gemv_kernel[grid]
     has_bias, scaled = down_bias is not None, down_scale is not None
@@ -227,7 +216,7 @@ def launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk,
         out.stride(0), out.stride(1),
         down_scale if scaled else out, *(down_scale.stride() if scaled else (0, 0, 0)),
         *(down_block if scaled else (1, 1)),
-        TOPK=topk, HAS_BIAS=has_bias, SCALED=scaled, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, MMA=mma,
+        TOPK=topk, HAS_BIAS=has_bias, SCALED=scaled, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
 

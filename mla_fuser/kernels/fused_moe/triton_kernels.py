@@ -15,7 +15,7 @@ rounding to nearest (tests allow for it).
 
 from __future__ import annotations
 
-from ..dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, tl
+from ..dispatch import SUM_COMBINE, LazyJit, tl
 
 
 @LazyJit
@@ -299,7 +299,6 @@ def moe_down_gemv_kernel(
     SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    MMA: tl.constexpr,
 ):
     """Decode-size GEMM2 + combine: ``out[t, n] = sum_k w[t,k] * (down_w[e_k, n, :] . h[t*K+k, :] + b[e_k, n])``.
 
@@ -310,71 +309,36 @@ def moe_down_gemv_kernel(
 
     ``SCALED``: block-FP8 down stacks (e4m3 ``w``, fp32 scales ``s[e, n // QBN, k // QBK]``).  ``BLOCK_N`` divides
     ``QBN`` (the launcher's business), so a tile's rows share one scale row, the scales vary along K only and are
-    folded into ``h`` with the routing weight; e4m3 widens exactly to fp32.
-
-    ``MMA`` (with ``SCALED``): tensor-core dots on fp16 operands instead of fp32 FMAs, because widening e4m3 to fp32
-    costs one ``cvt.f32.f16`` per weight (a sixteenth of the FMA rate on sm_90) on top of one ``cvt.rn.f16x2.e4m3x2``
-    per two, and that, not the bytes, bounds the FMA version.  Each pair's ``h`` row is scaled by a power of two that
-    puts its largest magnitude in ``[2^14, 2^15)`` (a first pass over the row; exact, as ``moe_w8_gemm_kernel``'s
-    ``F16_DOT``) and broadcast to the 16 columns of the dot; the block scale, the routing
-    weight and the inverse power of two multiply each K tile's result (``BLOCK_K`` divides ``QBK``, ``BLOCK_N >= 16``:
-    the launcher's business)."""
+    folded into ``h`` with the routing weight; e4m3 widens exactly to fp32.  Widening costs one ``cvt.f32.f16`` per
+    weight (after one ``cvt.rn.f16x2.e4m3x2`` per two), at a sixteenth of the FMA rate on sm_90: that, not the bytes,
+    bounds this GEMV.  (fp16 tensor-core dots on power-of-two-scaled rows avoid it but were 3x slower on an H200:
+    ``fp8_experts_variants.json``.)"""
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    if MMA:
-        acc16 = tl.full([BLOCK_N, 16], 0.0, tl.float32)
-        for jm in tl.static_range(TOPK):
-            pair_m = t * TOPK + jm
-            e_m = tl.load(ids_ptr + pair_m)
-            limit_m = tl.where((e_m >= 0) & (e_m < E), K, 0)
-            e_safe_m = tl.where(limit_m > 0, e_m, 0).to(tl.int64)
-            wgt_m = tl.load(rw_ptr + pair_m).to(tl.float32)
-            h_row = h_ptr + pair_m.to(tl.int64) * stride_hp
-            w_rows = w_ptr + e_safe_m * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-            s_row = s_ptr + e_safe_m * stride_se + (n0 // QBN) * stride_sn
-            amax = tl.full([BLOCK_K], 0.0, tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + offs_k
-                amax = tl.maximum(amax, tl.abs(tl.load(h_row + kk * stride_hk, mask=kk < limit_m, other=0.0)
-                                               .to(tl.float32)))
-            e_bits = tl.minimum(tl.maximum((tl.reduce(amax, 0, MAX_COMBINE).to(tl.int32, bitcast=True) >> 23) & 0xFF,
-                                           15), 254)
-            h_scale = ((268 - e_bits) << 23).to(tl.float32, bitcast=True)
-            h_unscale = ((e_bits - 14) << 23).to(tl.float32, bitcast=True)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + offs_k
-                h_m = tl.load(h_row + kk * stride_hk, mask=kk < limit_m, other=0.0).to(tl.float32)
-                hb = tl.broadcast_to((h_m * h_scale).to(tl.float16)[:, None], [BLOCK_K, 16])
-                w_m = tl.load(w_rows + kk[None, :] * stride_wk, mask=n_ok[:, None] & (kk[None, :] < limit_m),
-                              other=0.0)
-                s_m = tl.load(s_row + (k0 // QBK) * stride_sk)
-                acc16 += tl.dot(w_m.to(tl.float16), hb) * (s_m * wgt_m * h_unscale)
-        out = tl.reduce(acc16, 1, MAX_COMBINE)  # (the 16 columns are equal)
-    else:
-        acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            for j in tl.static_range(TOPK):
-                pair = t * TOPK + j
-                e = tl.load(ids_ptr + pair)
-                limit = tl.where((e >= 0) & (e < E), K, 0)  # scalar: K for a valid expert, 0 masks everything
-                e_safe = tl.where(limit > 0, e, 0).to(tl.int64)
-                wgt = tl.load(rw_ptr + pair).to(tl.float32)
-                if SCALED:
-                    s = tl.load(s_ptr + e_safe * stride_se + (n0 // QBN) * stride_sn + (kk // QBK) * stride_sk,
-                                mask=kk < limit, other=0.0)
-                    wgt = s * wgt
-                h = tl.load(h_ptr + pair.to(tl.int64) * stride_hp + kk * stride_hk, mask=kk < limit, other=0.0)
-                w = tl.load(
-                    w_ptr + e_safe * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :] * stride_wk,
-                    mask=n_ok[:, None] & (kk[None, :] < limit),
-                    other=0.0,
-                )
-                acc += w.to(tl.float32) * (h.to(tl.float32) * wgt)[None, :]
-        out = tl.reduce(acc, 1, SUM_COMBINE)
+    acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        for j in tl.static_range(TOPK):
+            pair = t * TOPK + j
+            e = tl.load(ids_ptr + pair)
+            limit = tl.where((e >= 0) & (e < E), K, 0)  # scalar: K for a valid expert, 0 masks everything
+            e_safe = tl.where(limit > 0, e, 0).to(tl.int64)
+            wgt = tl.load(rw_ptr + pair).to(tl.float32)
+            if SCALED:
+                s = tl.load(s_ptr + e_safe * stride_se + (n0 // QBN) * stride_sn + (kk // QBK) * stride_sk,
+                            mask=kk < limit, other=0.0)
+                wgt = s * wgt
+            h = tl.load(h_ptr + pair.to(tl.int64) * stride_hp + kk * stride_hk, mask=kk < limit, other=0.0)
+            w = tl.load(
+                w_ptr + e_safe * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :] * stride_wk,
+                mask=n_ok[:, None] & (kk[None, :] < limit),
+                other=0.0,
+            )
+            acc += w.to(tl.float32) * (h.to(tl.float32) * wgt)[None, :]
+    out = tl.reduce(acc, 1, SUM_COMBINE)
     if HAS_BIAS:
         for j in tl.static_range(TOPK):
             pair = t * TOPK + j
@@ -394,7 +358,7 @@ def moe_up_gemv_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_cm, stride_cn,
     s_ptr, stride_se, stride_sn, stride_sk, QBN, QBK, UP_SCALE_BASE, UP_ROW_SHIFT,
     TOPK: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MMA: tl.constexpr,
+    SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Decode-size GEMM1 as a GEMV: ``C[p, n] = act(x[p // TOPK] . G[e_p, n] + bg) * (x[p // TOPK] . U[e_p, n] + bu)``,
     one program per (pair, ``BLOCK_N`` rows).  Gate row ``n`` and up row ``N + n`` of the ``[E, 2N, K]`` stack, or
@@ -406,9 +370,7 @@ def moe_up_gemv_kernel(
     rows start at ``UP_SCALE_BASE`` and its row ``n`` sits ``UP_ROW_SHIFT`` rows into them; not interleaved, no
     bias).  ``BLOCK_N`` divides ``QBN`` and ``UP_ROW_SHIFT`` (the launcher's business), so the gate tile and the up
     tile each lie in one scale row and their scales vary along K only: they are folded into two copies of the
-    activation vector (``x[k] * s[row, k // QBK]``), and ``BLOCK_K`` may span several quantisation blocks.  ``MMA``
-    (with ``SCALED``): fp16 tensor-core dots instead, as ``moe_down_gemv_kernel``'s (the pair's ``x`` row scaled by a
-    power of two into fp16's range, broadcast to 16 columns; one scale column per K tile)."""
+    activation vector (``x[k] * s[row, k // QBK]``), and ``BLOCK_K`` may span several quantisation blocks."""
     p = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -430,52 +392,25 @@ def moe_up_gemv_kernel(
         sg_row = s_base + (n0 // QBN) * stride_sn
         su_row = s_base + (UP_SCALE_BASE + (n0 + UP_ROW_SHIFT) // QBN) * stride_sn
     x_row = x_ptr + (p // TOPK).to(tl.int64) * stride_xm
-    if MMA:
-        amax = tl.full([BLOCK_K], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs_k * stride_xk, mask=offs_k < limit, other=0.0)
-                                           .to(tl.float32)))
-        e_bits = tl.minimum(tl.maximum((tl.reduce(amax, 0, MAX_COMBINE).to(tl.int32, bitcast=True) >> 23) & 0xFF, 15),
-                            254)
-        x_scale = ((268 - e_bits) << 23).to(tl.float32, bitcast=True)
-        x_unscale = ((e_bits - 14) << 23).to(tl.float32, bitcast=True)
-        acc_g16 = tl.full([BLOCK_N, 16], 0.0, tl.float32)
-        acc_u16 = tl.full([BLOCK_N, 16], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < limit
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-            xb = tl.broadcast_to((x * x_scale).to(tl.float16)[:, None], [BLOCK_K, 16])
-            wg = tl.load(wg_rows + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
-            wu = tl.load(wu_rows + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
-            sg = tl.load(sg_row + (k0 // QBK) * stride_sk)
-            su = tl.load(su_row + (k0 // QBK) * stride_sk)
-            acc_g16 += tl.dot(wg.to(tl.float16), xb) * sg
-            acc_u16 += tl.dot(wu.to(tl.float16), xb) * su
-        g = tl.reduce(acc_g16, 1, MAX_COMBINE) * x_unscale  # (the 16 columns are equal)
-        u = tl.reduce(acc_u16, 1, MAX_COMBINE) * x_unscale
-    else:
-        acc_g = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-        acc_u = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < limit
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-            wg = tl.load(wg_rows + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
-            wu = tl.load(wu_rows + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
-            if SCALED:
-                sg = tl.load(sg_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
-                su = tl.load(su_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
-                acc_g += wg.to(tl.float32) * (x * sg)[None, :]
-                acc_u += wu.to(tl.float32) * (x * su)[None, :]
-            else:
-                acc_g += wg.to(tl.float32) * x[None, :]
-                acc_u += wu.to(tl.float32) * x[None, :]
-        g = tl.reduce(acc_g, 1, SUM_COMBINE)
-        u = tl.reduce(acc_u, 1, SUM_COMBINE)
+    acc_g = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    acc_u = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < limit
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+        wg = tl.load(wg_rows + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
+        wu = tl.load(wu_rows + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
+        if SCALED:
+            sg = tl.load(sg_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
+            su = tl.load(su_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
+            acc_g += wg.to(tl.float32) * (x * sg)[None, :]
+            acc_u += wu.to(tl.float32) * (x * su)[None, :]
+        else:
+            acc_g += wg.to(tl.float32) * x[None, :]
+            acc_u += wu.to(tl.float32) * x[None, :]
+    g = tl.reduce(acc_g, 1, SUM_COMBINE)
+    u = tl.reduce(acc_u, 1, SUM_COMBINE)
     if HAS_BIAS:
         b_ok = offs_n < tl.where(limit > 0, N, 0)  # (nothing for an invalid expert)
         b_base = bias_ptr + e_safe * stride_be
