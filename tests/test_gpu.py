@@ -120,6 +120,20 @@ def test_generation_agreement_bf16(models, mode):
         assert max(gaps, default=0.0) < 3e-2, f"fused and native split on a clear preference: {gaps}"
 
 
+def _graph_steps(model, ids, steps, capture=True):
+    """``ids`` prefilled into a fresh static paged cache, then ``steps`` greedy steps through one ``DecodeGraph``:
+    ``(logits [B, steps, vocab], the DecodeGraph, the cache)``."""
+    cache = PagedLatentCache(model, static=True, max_seq_len=160, max_cache_tokens=4 * 256)
+    first = model(input_ids=ids, **_cache_kw(model, cache), use_cache=True).logits[:, -1]
+    step = mla_fuser.DecodeGraph(model, cache, capture=capture)
+    token, logits = first.argmax(-1, keepdim=True), []
+    for i in range(steps):
+        out = step(token, torch.full_like(token, ids.shape[1] + i))
+        logits.append(out)
+        token = out.argmax(-1, keepdim=True)
+    return torch.stack(logits, 1), step, cache
+
+
 @torch.no_grad()
 def test_decode_graph_replays_equal_eager_bf16(models):
     """Steps replayed from one CUDA graph give the logits of the same steps run eagerly (same kernels), capture
@@ -128,15 +142,8 @@ def test_decode_graph_replays_equal_eager_bf16(models):
     ids, _ = _prompts([96, 96, 96, 96], fused.config.vocab_size, seed=2)
     runs = []
     for capture in (False, True):
-        cache = PagedLatentCache(fused, static=True, max_seq_len=160, max_cache_tokens=4 * 256)
-        first = fused(input_ids=ids, **_cache_kw(fused, cache), use_cache=True).logits[:, -1]
-        step = mla_fuser.DecodeGraph(fused, cache, capture=capture)
-        token, logits = first.argmax(-1, keepdim=True), []
-        for i in range(12):
-            out = step(token, torch.full_like(token, ids.shape[1] + i))
-            logits.append(out)
-            token = out.argmax(-1, keepdim=True)
-        runs.append((torch.stack(logits, 1), step.captures, cache.get_seq_length()))
+        logits, step, cache = _graph_steps(fused, ids, 12, capture)
+        runs.append((logits, step.captures, cache.get_seq_length()))
     (eager, _, eager_len), (graph, captures, graph_len) = runs
     RESULTS["decode_graph_rel_err_vs_eager"] = _rel(eager, graph)
     RESULTS["decode_graph_captures"] = captures
@@ -158,15 +165,8 @@ def test_shared_experts_beside_the_routed_ones_replay_the_same_logits_bf16(model
     for overlap in ("0", "1"):
         monkeypatch.setenv("MLA_FUSER_OVERLAP_SHARED_EXPERTS", overlap)
         before = sum(p.overlapped_calls for p in plans)
-        cache = PagedLatentCache(fused, static=True, max_seq_len=160, max_cache_tokens=4 * 256)
-        first = fused(input_ids=ids, **_cache_kw(fused, cache), use_cache=True).logits[:, -1]
-        step = mla_fuser.DecodeGraph(fused, cache, capture=True)
-        token, logits = first.argmax(-1, keepdim=True), []
-        for i in range(8):
-            out = step(token, torch.full_like(token, ids.shape[1] + i))
-            logits.append(out)
-            token = out.argmax(-1, keepdim=True)
-        runs.append((torch.stack(logits, 1), sum(p.overlapped_calls for p in plans) - before, step.captures))
+        logits, step, _ = _graph_steps(fused, ids, 8)
+        runs.append((logits, sum(p.overlapped_calls for p in plans) - before, step.captures))
     (plain, plain_calls, _), (overlapped, overlapped_calls, captures) = runs
     RESULTS["shared_overlap_replay_bitwise_equal"] = torch.equal(plain, overlapped)
     RESULTS["shared_overlap_rel_err"] = _rel(plain, overlapped)
