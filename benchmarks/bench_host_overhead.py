@@ -150,11 +150,17 @@ def wrapper_costs(repeats: int, calls: int, device: str = "cpu", profile: bool =
     weights = torch.rand(B, topk, device=device)
     norm_w = torch.ones(hidden, **on)
     x3 = x.unsqueeze(1)
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2RMSNorm
+
+    module_norm = DeepseekV2RMSNorm(hidden).to(**on)  # (Transformers' own module, unfused: its seven torch ops)
 
     cases = {
         "mla_decode": lambda: mla_decode(q, kv_pages, table, lens, 0.1, rank),
         "fused_experts": lambda: fused_experts(x, gate_up, down, ids, weights),
         "rms_norm": lambda: rms_norm(x3, norm_w, 1e-6),
+        "rms_norm_module_ops": lambda: module_norm(x3),  # (what an eager CUDA call of few rows ran instead)
+        "rms_norm_1row": lambda: rms_norm(x3[:1], norm_w, 1e-6),
+        "rms_norm_module_ops_1row": lambda: module_norm(x3[:1]),
         "paged_append": lambda: paged_append(kv_pages, table, lens, kv_c, k_pe),
     }
     out = {}
@@ -218,7 +224,7 @@ def main():
     model = build_model(args.layers, args.device)
     key = cache_keyword(model)
     B = args.batch
-    total_steps = 3 + 2 * args.repeats * args.steps + 2 * args.steps + 2  # (CUDA: the A/B below adds a round)
+    total_steps = 3 + 3 * args.repeats * args.steps + 2 * args.steps + 2  # (CUDA: the A/Bs below add two rounds)
     cache = PagedLatentCache(model, max_cache_tokens=B * (args.prompt + total_steps + 64))
     ids = torch.randint(3, model.config.vocab_size, (B, args.prompt), device=args.device)
     if not gpu:
@@ -304,6 +310,15 @@ def main():
             "note": "MLA_FUSER_DIRECT_LAUNCH=0: every launch through JITFunction.run; the headline figures above "
                     "launch directly (kernels.direct_launch)"}
         del os.environ["MLA_FUSER_DIRECT_LAUNCH"]
+        # fused RMSNorms of few rows on their kernel in eager steps too (fusers.norm runs the module's own ops below
+        # EAGER_MIN_ROWS rows in an eager CUDA call; the benchmark moves that threshold, in this process only)
+        from mla_fuser.fusers import norm as norm_fuser
+
+        rows_before, norm_fuser.EAGER_MIN_ROWS = norm_fuser.EAGER_MIN_ROWS, 0
+        result["norms_on_kernel"] = {"ms_per_step": round(best_of(step, args.steps, args.repeats) * 1e3, 3),
+                                     "note": f"fusers.norm.EAGER_MIN_ROWS 0 instead of {rows_before}: every eager "
+                                             "CUDA norm call on the Triton kernel (launched directly)"}
+        norm_fuser.EAGER_MIN_ROWS = rows_before
     if args.before:
         with open(args.before) as fh:
             earlier = json.load(fh)

@@ -359,9 +359,12 @@ class _NormPlan:
         return rms_norm(x, weight, m.eps, m.weight_offset, m.weight_in_fp32)
 
 
-# Below this many rows an eager CUDA call runs the module's own ops: a Triton launch costs more host time (its
+# Below this many rows an eager CUDA call runs the module's own ops: a Triton launch cost more host time (its
 # Python launcher, ~70 us on an H200 host) than the seven small torch launches it replaces, and a few rows are
-# host-bound.  Captured (CUDA graph) and compiled calls, where launches are free, and many rows always fuse.
+# host-bound.  With direct launches (kernels.direct_launch) the kernel's wrapper is cheaper per call, yet a whole
+# eager step did not get faster with every norm on the kernel (host_overhead_gpu_norm_ab.json: 49.4 against 48.0 ms),
+# so the threshold stays.  Captured (CUDA graph) and compiled calls, where launches are free, and many rows always
+# fuse.
 EAGER_MIN_ROWS = 2048
 
 
