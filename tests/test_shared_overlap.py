@@ -145,6 +145,15 @@ def test_a_shared_mlp_that_raises_gives_the_stream_back(recorder, monkeypatch):
     assert plan_of(block, "shared_overlap").started is None
 
 
+def test_an_output_made_on_another_device_is_not_marked_for_the_block_s_stream(recorder, monkeypatch):
+    block, _ = _fused(Block(shared=Knot(24)))
+    monkeypatch.setattr(block.common, "forward", lambda x: torch.zeros(2, 5, H, device="meta"))  # (elsewhere)
+    with torch.no_grad(), pytest.raises(Exception):
+        block(torch.randn(2, 5, H))  # (the block's add fails across devices; the hooks must not)
+    assert ("output used on", "main") not in recorder.calls and recorder.calls[-1] == ("main", "waits for", "side")
+    assert recorder.now is recorder.main
+
+
 def test_attaching_twice_adds_no_hooks():
     block, _ = _fused(Block(shared=Knot(24)))
     hooks = (len(block._forward_pre_hooks), len(block._forward_hooks), len(block.common._forward_pre_hooks))

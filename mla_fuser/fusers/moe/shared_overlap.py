@@ -72,7 +72,7 @@ class SharedOverlapPlan:
     def __init__(self, shared: tuple[str, ...]):
         self.shared = shared  # the shared experts' names that read the block's input
         self.started = None  # (storage pointer, device, event) while the block runs, else None
-        self.switched = None  # (block's stream, side stream) while a shared expert runs on the side stream
+        self.switched = None  # (block's stream, side stream, device) while a shared expert runs on the side stream
         self.overlapped_calls = 0  # shared-expert calls run on the side stream (diagnostics, tests)
         self.handles = []
 
@@ -116,7 +116,7 @@ def _shared_starts(shared: nn.Module, args) -> None:
     main, side = STREAMS.current(device), STREAMS.side(device)
     side.wait_event(event)
     STREAMS.set_current(side)
-    plan.switched = (main, side)
+    plan.switched = (main, side, device)
     plan.overlapped_calls += 1
 
 
@@ -127,10 +127,10 @@ def _shared_ends(shared: nn.Module, args, output) -> None:
     switched, plan.switched = plan.switched, None
     if switched is None:
         return
-    main, side = switched
+    main, side, device = switched
     STREAMS.set_current(main)
     main.wait_stream(side)
-    if isinstance(output, Tensor):
+    if isinstance(output, Tensor) and output.device == device:  # (a layer moved to another device made it there)
         STREAMS.used_on(output, main)
 
 
