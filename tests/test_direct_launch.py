@@ -97,19 +97,20 @@ def test_unusual_launches_go_through_triton(launcher, monkeypatch):
     direct._launch(0, (1,), (32, 7), {})
     monkeypatch.setenv("MLA_FUSER_DIRECT_LAUNCH", "0")
     direct._launch(0, (1,), (32, 7), {})
-    assert jit.slow_launches == 2
+    direct._launch(0, (1,), (33, 1), {})  # (a new variant: Triton's path only, nothing remembered)
+    assert jit.slow_launches == 3 and len(direct.kernels[0]) == 1
     monkeypatch.delenv("MLA_FUSER_DIRECT_LAUNCH")
     monkeypatch.setattr(direct_launch, "_hooks_installed", lambda: True)  # (a profiler hooks launches)
     direct._launch(0, (1,), (32, 7), {})
-    assert jit.slow_launches == 3
+    assert jit.slow_launches == 4
     monkeypatch.setattr(direct_launch, "_hooks_installed", lambda: False)
     direct._launch(0, (1,), (32, 7), {})
-    assert jit.slow_launches == 3
+    assert jit.slow_launches == 4
     direct._launch(1, (1,), (32, 7), {})  # (a device Triton has not built a binder for)
-    assert jit.slow_launches == 4 and 1 not in direct.kernels
+    assert jit.slow_launches == 5 and 1 not in direct.kernels
     kernel = direct._launch(0, (1,), (32, 7), {"hint": [1]})  # (an unhashable option: never remembered)
-    assert jit.slow_launches == 5 and direct._launch(0, (1,), (32, 7), {"hint": [1]}) is kernel
-    assert jit.slow_launches == 6
+    assert jit.slow_launches == 6 and direct._launch(0, (1,), (32, 7), {"hint": [1]}) is kernel
+    assert jit.slow_launches == 7
 
 
 def test_without_a_cuda_tensor_triton_decides():

@@ -76,8 +76,10 @@ class DirectLauncher:
         return self._launch(device, grid, args, kwargs)
 
     def _launch(self, device, grid, args, kwargs):
+        if not envs.get("MLA_FUSER_DIRECT_LAUNCH") or _hooks_installed():
+            return self.jit[grid](*args, **kwargs)  # (Triton's own path, nothing more: nothing remembered)
         known = self.kernels.get(device)
-        if known is None or not envs.get("MLA_FUSER_DIRECT_LAUNCH") or _hooks_installed():
+        if known is None:
             return self._through_triton(device, grid, args, kwargs)
         binder = self.jit.device_caches[device][-1]
         bound, specialization, options = binder(*args, **kwargs)
