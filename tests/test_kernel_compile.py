@@ -75,12 +75,25 @@ def test_decode_gemvs_compile(kind, variant):
         assert _count(ptx, "cvt.rn.f16x2.e4m3x2") > 0 and _count(ptx, "cvt.f32.f16") > 0
 
 
-def test_linear_decode_gemv_compiles():
+@pytest.mark.parametrize("int_widen", [False, True])
+def test_linear_decode_gemv_compiles(int_widen):
+    """The FP8 linear's GEMV widens e4m3 by conversions (``cvt.rn.f16x2.e4m3x2`` per two weights, then
+    ``cvt.f32.f16`` per weight), or with ``INT_WIDEN`` by integer ops on int32 words: no conversion left, and about
+    three integer ops and one multiply per weight beside the FMA."""
     from mla_fuser.kernels.fp8.triton_kernels import w8_gemv_kernel
 
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16"}
-    ptx = _ptx(w8_gemv_kernel, pointers, dict(HAS_BIAS=True, EVEN_K=True, BLOCK_N=8, BLOCK_K=1024))
-    assert _count(ptx, "cvt.rn.f16x2.e4m3x2") > 0 and _count(ptx, "mma.sync") == 0
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32" if int_widen else "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*fp32",
+                "out_ptr": "*bf16"}
+    ptx = _ptx(w8_gemv_kernel, pointers, dict(HAS_BIAS=True, EVEN_K=True, BLOCK_N=8, BLOCK_K=1024,
+                                              INT_WIDEN=int_widen))
+    weights = 8 * 1024 // (4 * 32)  # (per thread and K tile: 8 rows x 1024 columns over 4 warps)
+    assert _count(ptx, "mma.sync") == 0 and _count(ptx, "fma.rn.f32") == weights
+    if int_widen:
+        assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 0 and _count(ptx, "cvt.f32.f16") == 0
+        int_ops = sum(_count(ptx, op) for op in ("shl.b32", "shr.s32", "and.b32"))
+        assert int_ops <= 3.5 * weights, int_ops
+    else:
+        assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == weights // 2 and _count(ptx, "cvt.f32.f16") == weights
 
 
 @pytest.mark.parametrize("dot", [False, True])
