@@ -147,6 +147,7 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
     import torch
     from mla_fuser.kernels.fused_moe import (fused_experts, fused_experts_fp8, fused_experts_fp8_ref,
                                              fused_experts_fp8_triton, fused_experts_triton)
+    from mla_fuser.kernels.fused_moe.configs import get_moe_config
     from mla_fuser.kernels.fused_moe.fp8_launch import choose_fp8_path
     from mla_fuser.kernels.fused_moe.launch import _choose_path, gemv_down_max_tokens
 
@@ -169,6 +170,12 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
         if t <= gemv_down_max_tokens():
             variants["fp8_gemms"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
                                                                        decode_gemv=False)
+            # the decode GEMVs on the same tiles, widening e4m3 with integer ops ("int_widen"; off by default)
+            tiles = get_moe_config(choose_fp8_path("auto", t, t * k), t, k, shape["num_experts"], fp8=True, hidden=h)
+            int_tiles = dict(tiles, fp8_gemv1=dict(tiles["fp8_gemv1"], int_widen=True),
+                             fp8_gemv2=dict(tiles["fp8_gemv2"], int_widen=True))
+            variants["fp8_int"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
+                                                                     config=int_tiles)
         # fp16 activations: the weight-only GEMMs widen e4m3 to the activations' dtype, which for fp16 is one
         # cvt.rn.f16x2.e4m3x2 per two weights, where bf16 adds a cvt.bf16.f16 per weight (what decode-time FP8
         # costs in conversions, not bytes)
@@ -193,7 +200,7 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
             except Exception as exc:  # record and go on
                 row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                 traceback.print_exc()
-        for label in ("fp8", "fp8_gemms", "fp8_f16act", "fp8_gemms_f16act"):
+        for label in ("fp8", "fp8_gemms", "fp8_int", "fp8_f16act", "fp8_gemms_f16act"):
             if f"{label}_ms" in row and "bf16_ms" in row:
                 row[f"{label}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{label}_ms"]
         result["rows"].append(row)

@@ -74,9 +74,12 @@ want fp8_decode && step 200 python3 benchmarks/bench_fp8_gemm.py --experts-sweep
            --out "$out/fp8_experts_sweep_aligned.json"
 want fp8_decode && step 150 python3 benchmarks/profile_decode_step.py --fp8-weights --fp8-cache --shapes 1x512,16x4096 \
            --out "$out/profile_decode_step_fp8.json"
-# the FP8 linear's decode GEMV widening e4m3 with integer ops (GEMVConfig.int_widen, off by default): correct
-# compiled, then beside the conversion GEMV (default section, gemv_int) and in the GEMV sweep (int_widen tiles)
-want fp8_int && step 60 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k integer_widening
+# the FP8 decode GEMVs widening e4m3 with integer ops (the linear's GEMVConfig.int_widen, the experts' "int_widen"
+# tiles; off by default): correct compiled, then beside the conversion GEMVs (default section gemv_int, experts
+# fp8_int) and in the linear's GEMV sweep (int_widen tiles)
+want fp8_int && step 90 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_experts.py \
+           -k integer_widening
+want fp8_int && step 90 python3 benchmarks/bench_fp8_gemm.py --experts --tokens 1,2,4 --out "$out/fp8_experts_int.json"
 want fp8_int && step 150 python3 benchmarks/bench_fp8_gemm.py --tokens 1,2,4 --out "$out/fp8_gemm_int.json"
 want fp8_int && step 300 python3 benchmarks/bench_fp8_gemm.py --gemv-sweep --sweep-rep 20 --out "$out/fp8_gemv_sweep_int.json"
 # the MoE decode GEMVs' tiles: the full grid on V2-Lite, then its top tiles on V2-Lite and V3 shapes -> the table

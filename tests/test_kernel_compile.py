@@ -57,13 +57,16 @@ GEMV_POINTERS = {"x_ptr": "*bf16", "h_ptr": "*bf16", "bias_ptr": "*bf16", "c_ptr
 
 
 @pytest.mark.parametrize("kind", ["up", "down"])
-@pytest.mark.parametrize("variant", ["bf16", "bf16_bias", "fp8"])
+@pytest.mark.parametrize("variant", ["bf16", "bf16_bias", "fp8", "fp8_int"])
 def test_decode_gemvs_compile(kind, variant):
+    """The expert decode GEMVs: FMAs, no tensor cores; FP8 stacks widened by conversions, or with ``INT_WIDEN`` by
+    integer ops on int32 words (no conversion left)."""
     from mla_fuser.kernels.fused_moe.triton_kernels import moe_down_gemv_kernel, moe_up_gemv_kernel
 
-    fp8 = variant == "fp8"
-    pointers = dict(GEMV_POINTERS, w_ptr="*fp8e4nv" if fp8 else "*bf16", s_ptr="*fp32" if fp8 else "*bf16")
-    consts = dict(TOPK=6, HAS_BIAS=variant == "bf16_bias", SCALED=fp8, BLOCK_N=8, BLOCK_K=512)
+    fp8, words = variant.startswith("fp8"), variant == "fp8_int"
+    pointers = dict(GEMV_POINTERS, w_ptr="*i32" if words else "*fp8e4nv" if fp8 else "*bf16",
+                    s_ptr="*fp32" if fp8 else "*bf16")
+    consts = dict(TOPK=6, HAS_BIAS=variant == "bf16_bias", SCALED=fp8, BLOCK_N=8, BLOCK_K=512, INT_WIDEN=words)
     if kind == "up":
         kernel = moe_up_gemv_kernel
         consts.update(ACT=0, INTERLEAVED=variant == "bf16_bias")
@@ -71,7 +74,10 @@ def test_decode_gemvs_compile(kind, variant):
         kernel = moe_down_gemv_kernel
     ptx = _ptx(kernel, pointers, consts)
     assert _count(ptx, "mma.sync") == 0  # (FMAs: no tensor-core padding of a token's row to 16)
-    if fp8:
+    if words:
+        assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 0 and _count(ptx, "cvt.f32.f16") == 0
+        assert _count(ptx, "shr.s32") > 0
+    elif fp8:
         assert _count(ptx, "cvt.rn.f16x2.e4m3x2") > 0 and _count(ptx, "cvt.f32.f16") > 0
 
 

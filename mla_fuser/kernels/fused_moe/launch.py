@@ -175,6 +175,16 @@ def _gemv_block_k(cfg, k_dim):
     return min(cfg["BLOCK_K"], next_pow2(k_dim))
 
 
+def _int_words(cfg, stack, scaled: bool):
+    """The e4m3 stack ``[E, rows, K]`` as int32 words when the tile asks for integer widening (``"int_widen"``) and
+    the stack allows it (block-FP8, K and the row and expert strides multiples of 4, unit stride along K, 4-aligned
+    start), else None: the kernels' ``INT_WIDEN`` then reads it (``fp8.linear.GEMVConfig.int_widen``'s trick)."""
+    if not (cfg.get("int_widen") and scaled and stack.shape[-1] % 4 == 0 and stack.stride(-1) == 1
+            and stack.stride(0) % 4 == 0 and stack.stride(1) % 4 == 0 and stack.storage_offset() % 4 == 0):
+        return None
+    return stack.view(torch.int32)
+
+
 def launch_up_gemv(x, gate_up_w, gate_up_bias, inter_buf, flat_ids, topk, num_experts, act, interleaved, cfg,
                    warmup=False, gate_up_scale=None, gate_up_block=None, up_scale_base=0, up_row_shift=0):
     """Launch the decode path's GEMM1 + activation GEMV (``moe_up_gemv_kernel``) into ``inter_buf [pairs, I]``.
@@ -185,16 +195,18 @@ def launch_up_gemv(x, gate_up_w, gate_up_bias, inter_buf, flat_ids, topk, num_ex
     grid = (num_pairs, cdiv(inter, cfg["BLOCK_N"]))
     launch = functools.partial(moe_up_gemv_kernel.get().warmup, grid=grid) if warmup else moe_up_gemv_kernel[grid]
     has_bias, scaled = gate_up_bias is not None, gate_up_scale is not None
+    words = _int_words(cfg, gate_up_w, scaled) if block_k >= 4 else None
+    w = gate_up_w if words is None else words
     launch(
-        x, gate_up_w, gate_up_bias if has_bias else inter_buf, inter_buf, flat_ids,
+        x, w, gate_up_bias if has_bias else inter_buf, inter_buf, flat_ids,
         inter, x.shape[1], num_experts,
-        x.stride(0), x.stride(1), gate_up_w.stride(0), gate_up_w.stride(1), gate_up_w.stride(2),
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         gate_up_bias.stride(0) if has_bias else 0, gate_up_bias.stride(1) if has_bias else 0,
         inter_buf.stride(0), inter_buf.stride(1),
         gate_up_scale if scaled else inter_buf, *(gate_up_scale.stride() if scaled else (0, 0, 0)),
         *(gate_up_block if scaled else (1, 1)), up_scale_base, up_row_shift,
         TOPK=topk, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=has_bias, SCALED=scaled,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, INT_WIDEN=words is not None,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
 
@@ -208,15 +220,18 @@ def launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk,
     grid = (num_tokens, cdiv(hidden_size, cfg["BLOCK_N"]))
     launch = functools.partial(moe_down_gemv_kernel.get().warmup, grid=grid) if warmup else moe_down_gemv_kernel[grid]
     has_bias, scaled = down_bias is not None, down_scale is not None
+    words = _int_words(cfg, down_w, scaled) if block_k >= 4 else None
+    w = down_w if words is None else words
     launch(
-        inter_buf, down_w, down_bias if has_bias else out, out, flat_ids, routing,
+        inter_buf, w, down_bias if has_bias else out, out, flat_ids, routing,
         hidden_size, inter_buf.shape[1], num_experts,
-        inter_buf.stride(0), inter_buf.stride(1), down_w.stride(0), down_w.stride(1), down_w.stride(2),
+        inter_buf.stride(0), inter_buf.stride(1), w.stride(0), w.stride(1), w.stride(2),
         down_bias.stride(0) if has_bias else 0, down_bias.stride(1) if has_bias else 0,
         out.stride(0), out.stride(1),
         down_scale if scaled else out, *(down_scale.stride() if scaled else (0, 0, 0)),
         *(down_block if scaled else (1, 1)),
         TOPK=topk, HAS_BIAS=has_bias, SCALED=scaled, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
+        INT_WIDEN=words is not None,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
 
