@@ -61,6 +61,12 @@ OVERLAPPED = [("event on", "main"), ("side", "waits for", "input ready"), ("curr
               ("main", "waits for", "side"), ("output used on", "main")]
 
 
+@pytest.fixture(autouse=True)
+def _cuda_present(monkeypatch):
+    """Fusion attaches the hooks only where CUDA is present: here it is said to be."""
+    monkeypatch.setattr(shared_overlap, "cuda_present", lambda: True)
+
+
 @pytest.fixture
 def recorder(monkeypatch):
     rec = _Recorder()
@@ -97,6 +103,12 @@ def test_a_block_without_shared_experts_gets_no_hooks(recorder):
     with torch.no_grad():
         block(torch.randn(2, 5, H))
     assert recorder.calls == []
+
+
+def test_no_hooks_without_cuda(monkeypatch):
+    monkeypatch.setattr(shared_overlap, "cuda_present", lambda: False)
+    block, row = _fused(Block(shared=Knot(24)))
+    assert plan_of(block, "shared_overlap") is None and not block._forward_pre_hooks and "side stream" not in row.reason
 
 
 def test_nothing_switches_when_launches_cost_host_time_or_the_switch_is_off(recorder, monkeypatch):

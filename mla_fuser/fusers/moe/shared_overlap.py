@@ -16,7 +16,8 @@ wait for the side stream, so whatever the block does with the shared output (the
 The match accounts for every op of the block (it fails closed), and none writes the block's input in place, so the
 input the side stream reads is the one the event covers.  Anything else (a
 different tensor, CPU, a compiled region, ``MLA_FUSER_OVERLAP_SHARED_EXPERTS=0``) runs as before, on one stream.
-The kernels are the same ones either way, so the results are bitwise the same.
+The kernels are the same ones either way, so the results are bitwise the same.  On a machine without CUDA no hooks
+are attached (they would cost each MoE call a few microseconds for nothing: ~2.5% of the tiny preset's CPU decode).
 
 Memory: the shared MLP's own tensors are allocated on the side stream and freed there; its output is marked as used
 by the block's stream (``record_stream``); the block's input, read on the side stream, is only freed after the join.
@@ -134,11 +135,15 @@ def _shared_ends(shared: nn.Module, args, output) -> None:
         STREAMS.used_on(output, main)
 
 
+def cuda_present() -> bool:
+    return torch.cuda.is_available()
+
+
 def attach_shared_overlap(block: nn.Module, match: MoEMatch) -> str:
     """Hooks that run this block's shared experts on a side stream in captured steps; says what was done ("" when the
-    block has no shared expert reading its input)."""
+    block has no shared expert reading its input, or the machine no CUDA device)."""
     names = tuple(s.mlp for s in match.shared)
-    if not names:
+    if not names or not cuda_present():
         return ""
     if plan_of(block, "shared_overlap") is not None:
         return "shared experts on a side stream in captured steps (already)"
