@@ -21,6 +21,7 @@ from mla_fuser.kernels.fp8 import (block_fp8_linear_act_quant_ref, block_fp8_lin
                                    explain_block_fp8, quantize_block_fp8)
 from mla_fuser.kernels.dispatch import cdiv
 from mla_fuser.kernels.fp8 import linear as fp8_linear
+from mla_fuser.kernels.fp8.format import reads_as_int32_words
 from mla_fuser.kernels.fp8.quant import quantize_token_groups_ref
 from mla_fuser.rewrite import STACKED_ATTR
 
@@ -170,7 +171,7 @@ def test_decode_gemv_integer_widening_needs_whole_words(monkeypatch):
     assert not fp8_linear.gemv_plan(1, 40, 64, 16, False, GEMV(8, 32), True).meta["INT_WIDEN"]
     wide = _every_e4m3_value(40, 66, gen)
     for weight in (wide[:, :62], wide[:, 2:66]):  # (K 62; rows starting 2 bytes into a word)
-        assert not fp8_linear._int32_words(weight)
+        assert not reads_as_int32_words(weight)
         scale = torch.tensor(0.75)
         x = torch.randn(2, weight.shape[1], generator=gen)
         out = fp8_linear.w8_gemv_triton(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), None, 0, 0,

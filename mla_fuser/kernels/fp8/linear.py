@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dispatch import cdiv, kernel_op, next_pow2, pow2_divisor, triton_interpreting, use_triton
-from .format import FP8_DTYPE, FP8_MAX
+from .format import FP8_DTYPE, FP8_MAX, reads_as_int32_words
 from .quant import dequantize_block_fp8, dequantize_token_groups, quantize_token_groups_ref
 from .triton_kernels import act_quant_kernel, fp8_gemm_kernel, splitk_reduce_kernel, w8_gemm_kernel, w8_gemv_kernel
 
@@ -285,7 +285,7 @@ class GEMVPlan(NamedTuple):
 def gemv_plan(m: int, n: int, k: int, block_n: int, has_bias: bool, config: GEMVConfig = GEMV_CONFIG,
               words: bool = False) -> GEMVPlan:
     """The decode GEMV's launch for one shape (cached like :func:`w8_plan`); ``words``: the weight reads as int32
-    words (:func:`_int32_words`), so ``config.int_widen`` can apply."""
+    words (``format.reads_as_int32_words``), so ``config.int_widen`` can apply."""
     bn = gemv_block_n(block_n, config.block_n)
     if not bn:
         raise ValueError(f"no GEMV row tile of at least {GEMV_MIN_BLOCK_N} divides the quantisation block {block_n}")
@@ -296,13 +296,6 @@ def gemv_plan(m: int, n: int, k: int, block_n: int, has_bias: bool, config: GEMV
     return GEMVPlan((m, cdiv(n, bn)), meta)
 
 
-def _int32_words(weight: torch.Tensor) -> bool:
-    """The e4m3 weight ``[N, K]`` reads as whole int32 words: K and the row stride multiples of 4, unit stride along
-    K, the first byte 4-aligned."""
-    return (weight.shape[1] % 4 == 0 and weight.stride(1) == 1 and weight.stride(0) % 4 == 0
-            and weight.storage_offset() % 4 == 0)
-
-
 def w8_gemv_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_k: int,
                    config: GEMVConfig = GEMV_CONFIG, warmup: bool = False) -> torch.Tensor:
     """The decode GEMV on ``x2 [M, K]`` (``w8_gemv_kernel``): one launch; ``config`` overrides the tiles (benchmark
@@ -311,7 +304,8 @@ def w8_gemv_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_k:
     n = weight.shape[0]
     if not (m and n and k):
         return block_fp8_linear_ref(x2, weight, scale, block_n, block_k, bias)
-    plan = gemv_plan(m, n, k, block_n, bias is not None, config, bool(config.int_widen) and _int32_words(weight))
+    plan = gemv_plan(m, n, k, block_n, bias is not None, config,
+                     bool(config.int_widen) and reads_as_int32_words(weight))
     qbn, qbk = (block_n, block_k) if block_n > 0 else (_PER_TENSOR, _PER_TENSOR)
     scale2 = scale.reshape(1, 1) if scale.ndim == 0 else scale
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)

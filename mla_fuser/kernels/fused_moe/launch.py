@@ -15,6 +15,7 @@ import torch
 
 from ... import envs
 from ..dispatch import cdiv, next_pow2, triton_interpreting, use_triton
+from ..fp8.format import reads_as_int32_words
 from .configs import default_config, get_moe_config
 from .reference import activation_code, align_tokens_to_experts_ref, check_shapes, max_padded_pairs
 from .triton_kernels import (moe_align_kernel, moe_combine_kernel, moe_down_gemv_kernel, moe_gemm_kernel,
@@ -177,12 +178,18 @@ def _gemv_block_k(cfg, k_dim):
 
 def _int_words(cfg, stack, scaled: bool):
     """The e4m3 stack ``[E, rows, K]`` as int32 words when the tile asks for integer widening (``"int_widen"``) and
-    the stack allows it (block-FP8, K and the row and expert strides multiples of 4, unit stride along K, 4-aligned
-    start), else None: the kernels' ``INT_WIDEN`` then reads it (``fp8.linear.GEMVConfig.int_widen``'s trick)."""
-    if not (cfg.get("int_widen") and scaled and stack.shape[-1] % 4 == 0 and stack.stride(-1) == 1
-            and stack.stride(0) % 4 == 0 and stack.stride(1) % 4 == 0 and stack.storage_offset() % 4 == 0):
+    the stack allows it (block-FP8, ``fp8.format.reads_as_int32_words``), else None: the kernels' ``INT_WIDEN`` then
+    reads it (``fp8.linear.GEMVConfig.int_widen``'s trick)."""
+    if not (cfg.get("int_widen") and scaled and reads_as_int32_words(stack)):
         return None
     return stack.view(torch.int32)
+
+
+def _gemv_weights(cfg, stack, scaled: bool, block_k: int):
+    """``(tensor to launch with, INT_WIDEN)``: the stack's int32 words where :func:`_int_words` gives them (and a K
+    tile holds whole words), else the stack itself."""
+    words = _int_words(cfg, stack, scaled) if block_k >= 4 else None
+    return (stack, False) if words is None else (words, True)
 
 
 def launch_up_gemv(x, gate_up_w, gate_up_bias, inter_buf, flat_ids, topk, num_experts, act, interleaved, cfg,
@@ -195,8 +202,7 @@ def launch_up_gemv(x, gate_up_w, gate_up_bias, inter_buf, flat_ids, topk, num_ex
     grid = (num_pairs, cdiv(inter, cfg["BLOCK_N"]))
     launch = functools.partial(moe_up_gemv_kernel.get().warmup, grid=grid) if warmup else moe_up_gemv_kernel[grid]
     has_bias, scaled = gate_up_bias is not None, gate_up_scale is not None
-    words = _int_words(cfg, gate_up_w, scaled) if block_k >= 4 else None
-    w = gate_up_w if words is None else words
+    w, int_widen = _gemv_weights(cfg, gate_up_w, scaled, block_k)
     launch(
         x, w, gate_up_bias if has_bias else inter_buf, inter_buf, flat_ids,
         inter, x.shape[1], num_experts,
@@ -206,7 +212,7 @@ def launch_up_gemv(x, gate_up_w, gate_up_bias, inter_buf, flat_ids, topk, num_ex
         gate_up_scale if scaled else inter_buf, *(gate_up_scale.stride() if scaled else (0, 0, 0)),
         *(gate_up_block if scaled else (1, 1)), up_scale_base, up_row_shift,
         TOPK=topk, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=has_bias, SCALED=scaled,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, INT_WIDEN=words is not None,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, INT_WIDEN=int_widen,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
 
@@ -220,8 +226,7 @@ def launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk,
     grid = (num_tokens, cdiv(hidden_size, cfg["BLOCK_N"]))
     launch = functools.partial(moe_down_gemv_kernel.get().warmup, grid=grid) if warmup else moe_down_gemv_kernel[grid]
     has_bias, scaled = down_bias is not None, down_scale is not None
-    words = _int_words(cfg, down_w, scaled) if block_k >= 4 else None
-    w = down_w if words is None else words
+    w, int_widen = _gemv_weights(cfg, down_w, scaled, block_k)
     launch(
         inter_buf, w, down_bias if has_bias else out, out, flat_ids, routing,
         hidden_size, inter_buf.shape[1], num_experts,
@@ -231,7 +236,7 @@ def launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk,
         down_scale if scaled else out, *(down_scale.stride() if scaled else (0, 0, 0)),
         *(down_block if scaled else (1, 1)),
         TOPK=topk, HAS_BIAS=has_bias, SCALED=scaled, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
-        INT_WIDEN=words is not None,
+        INT_WIDEN=int_widen,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
 
