@@ -45,6 +45,16 @@ def _hooks_installed() -> bool:
     return False
 
 
+def launch_device(args) -> int | None:
+    """The CUDA device index of a launch's first tensor argument; None when that tensor is not on CUDA or there is
+    none.  A launch's tensors all live on one device (a kernel cannot read another's memory), so the first one tells
+    where Triton must launch (on the *current* device)."""
+    for a in args:  # (a loop, not next() over a generator: this runs for every launch of an eager step)
+        if isinstance(a, Tensor):
+            return a.device.index if a.is_cuda else None
+    return None
+
+
 class DirectLauncher:
     """Launches of one compiled ``JITFunction``: Triton's kernel for a call's exact specialisation, launched directly.
 
@@ -62,12 +72,7 @@ class DirectLauncher:
     def launch(self, grid, /, *args, **kwargs):
         """Launch ``jit[grid](*args, **kwargs)`` on the device of the first tensor argument (Triton launches on the
         current device; a model split over GPUs runs layers elsewhere)."""
-        for a in args:
-            if isinstance(a, Tensor):
-                device = a.device.index if a.is_cuda else None
-                break
-        else:
-            device = None
+        device = launch_device(args)
         if device is None:  # (no CUDA tensor among the positional arguments: Triton decides, as it always did)
             return self.jit[grid](*args, **kwargs)
         if device != torch.cuda.current_device():
@@ -81,10 +86,8 @@ class DirectLauncher:
         known = self.kernels.get(device)
         if known is None:
             return self._through_triton(device, grid, args, kwargs)
-        binder = self.jit.device_caches[device][-1]
-        bound, specialization, options = binder(*args, **kwargs)
+        bound, key = self._binder_key(device, args, kwargs)
         try:
-            key = (tuple(specialization), tuple(options.items()))
             kernel = known.get(key)
         except TypeError:  # (an unhashable constexpr: leave it to Triton)
             return self._through_triton(device, grid, args, kwargs)
@@ -97,6 +100,12 @@ class DirectLauncher:
                    kernel.function, kernel.packed_metadata, None, None, None, *bound.values())
         return kernel
 
+    def _binder_key(self, device, args, kwargs):
+        """``(bound arguments, key)``: Triton's binder on ``device`` (built there already) and the key its kernels are
+        remembered under (hashable unless a constexpr or option is not)."""
+        bound, specialization, options = self.jit.device_caches[device][-1](*args, **kwargs)
+        return bound, (tuple(specialization), tuple(options.items()))
+
     def _through_triton(self, device, grid, args, kwargs, key=None):
         """``JITFunction.run`` (compiles a new variant); its kernel is remembered under ``key`` (the binder's key,
         computed here when the caller had none)."""
@@ -107,9 +116,8 @@ class DirectLauncher:
             caches = self.jit.device_caches.get(device)
             if caches is None:
                 return kernel
-            _, specialization, options = caches[-1](*args, **kwargs)
+            _, key = self._binder_key(device, args, kwargs)
             try:
-                key = (tuple(specialization), tuple(options.items()))
                 hash(key)
             except TypeError:
                 return kernel

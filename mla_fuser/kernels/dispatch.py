@@ -24,10 +24,9 @@ import functools
 import inspect
 
 import torch
-from torch import Tensor
 
 from .. import envs
-from .direct_launch import direct_launcher
+from .direct_launch import direct_launcher, launch_device
 
 VALID_BACKENDS = envs.VARIABLES["MLA_FUSER_BACKEND"].choices
 
@@ -176,19 +175,15 @@ def on_tensor_device(launcher):
     """Wrap a Triton launcher so it runs with its first tensor argument's device current.
 
     Triton launches on the *current* device; a model split over GPUs (``device_map``) runs layers whose
-    tensors live elsewhere.  A launch's tensors all live on one device (a kernel cannot read another's memory), so
-    the first tensor argument tells it.  Costs one device query per CUDA launch; nothing changes off CUDA.
+    tensors live elsewhere; ``direct_launch.launch_device`` says which.  Costs one device query per CUDA launch;
+    nothing changes off CUDA.
     """
 
     def launch(*args, **kwargs):
-        for a in args:  # (a loop, not next() over a generator: this runs for every launch of an eager step)
-            if isinstance(a, Tensor):
-                if a.is_cuda:
-                    device = a.device
-                    if device.index != torch.cuda.current_device():
-                        with torch.cuda.device(device):
-                            return launcher(*args, **kwargs)
-                break
+        device = launch_device(args)
+        if device is not None and device != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                return launcher(*args, **kwargs)
         return launcher(*args, **kwargs)
 
     return launch
