@@ -320,17 +320,26 @@ def moe_down_gemv_kernel(
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    if INT_WIDEN:  # (every byte lane of a word: kk = 4 q + lane; see w8_gemv_kernel)
-        acc4 = tl.full([BLOCK_N, BLOCK_K // 4], 0.0, tl.float32)
+    # one program's accumulator: [BLOCK_N, BLOCK_K] products, or with INT_WIDEN one column per word of four bytes
+    # (every byte lane of a word: k = 4 q + lane; see w8_gemv_kernel)
+    if INT_WIDEN:
         offs_q0 = tl.arange(0, BLOCK_K // 4)
-        for k0 in range(0, K, BLOCK_K):
+        acc = tl.full([BLOCK_N, BLOCK_K // 4], 0.0, tl.float32)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if INT_WIDEN:
             offs_q = k0 // 4 + offs_q0
-            for j in tl.static_range(TOPK):
-                pair = t * TOPK + j
-                e = tl.load(ids_ptr + pair)
-                limit = tl.where((e >= 0) & (e < E), K, 0)
-                e_safe = tl.where(limit > 0, e, 0).to(tl.int64)
-                wgt = tl.load(rw_ptr + pair).to(tl.float32)
+        else:
+            kk = k0 + offs_k
+        for j in tl.static_range(TOPK):
+            pair = t * TOPK + j
+            e = tl.load(ids_ptr + pair)
+            limit = tl.where((e >= 0) & (e < E), K, 0)  # scalar: K for a valid expert, 0 masks everything
+            e_safe = tl.where(limit > 0, e, 0).to(tl.int64)
+            wgt = tl.load(rw_ptr + pair).to(tl.float32)
+            if INT_WIDEN:
                 words = tl.load(w_ptr + e_safe * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
                                 + offs_q[None, :] * stride_wk, mask=n_ok[:, None] & (offs_q < limit // 4)[None, :],
                                 other=0)
@@ -343,19 +352,8 @@ def moe_down_gemv_kernel(
                     top = words << (24 - 8 * lane) if lane < 3 else words
                     bits = (top >> 4) & ~0x780FFFFF
                     hs = h.to(tl.float32) * s * wgt
-                    acc4 += (bits.to(tl.float32, bitcast=True) * 1.329227995784916e36) * hs[None, :]  # (2^120)
-        out = tl.reduce(acc4, 1, SUM_COMBINE)
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            for j in tl.static_range(TOPK):
-                pair = t * TOPK + j
-                e = tl.load(ids_ptr + pair)
-                limit = tl.where((e >= 0) & (e < E), K, 0)  # scalar: K for a valid expert, 0 masks everything
-                e_safe = tl.where(limit > 0, e, 0).to(tl.int64)
-                wgt = tl.load(rw_ptr + pair).to(tl.float32)
+                    acc += (bits.to(tl.float32, bitcast=True) * 1.329227995784916e36) * hs[None, :]  # (2^120)
+            else:
                 if SCALED:
                     s = tl.load(s_ptr + e_safe * stride_se + (n0 // QBN) * stride_sn + (kk // QBK) * stride_sk,
                                 mask=kk < limit, other=0.0)
@@ -367,7 +365,7 @@ def moe_down_gemv_kernel(
                     other=0.0,
                 )
                 acc += w.to(tl.float32) * (h.to(tl.float32) * wgt)[None, :]
-        out = tl.reduce(acc, 1, SUM_COMBINE)
+    out = tl.reduce(acc, 1, SUM_COMBINE)
     if HAS_BIAS:
         for j in tl.static_range(TOPK):
             pair = t * TOPK + j
