@@ -37,7 +37,8 @@ grouped GEMMs of one MoE layer at DeepSeek-V2-Lite's expert shapes (64 experts, 
 top-6 of random router scores), T in {1, 4, 16, 64, 512, 8192} tokens (``path`` / ``fp8_path``: what "auto"
 picks for bf16 / FP8), 128x128 block scales per expert, against bf16 ``fused_experts`` on the same weights in the same
 run (and, at decode sizes, FP8 without its decode GEMVs:
-``fp8_gemms``): the speed-up, the bytes of the experts the tokens picked over the time (``*_weight_GBps``, and as a
+``fp8_gemms``; at every size the GEMMs forced W8A8, ``fp8_w8a8``, and weight-only, ``fp8_weight_only``, whichever
+"auto" picks, ``fp8_act_quant``): the speed-up, the bytes of the experts the tokens picked over the time (``*_weight_GBps``, and as a
 fraction of the copy bandwidth), and the error against ``fused_experts_fp8_ref`` (fp32 on the dequantised weights).
 Times: ``*_ms`` GPU time (CUDA-graph replay of ``ROUTINGS`` calls, each with its own random routing, L2 flushed
 before each replay), ``*_eager_ms`` one eager call.  JSON: ``benchmarks/results/fp8_experts.json``.
@@ -48,7 +49,9 @@ the best geometric mean (``fp8_gemv_sweep.json``: the source of ``linear.GEMVCon
 ``fp8_launch.FP8_GEMV_CONFIG``, the experts' GEMV fallback tile; ``tune_moe_gemv.py`` tunes the experts' GEMVs each on
 its own, per token count and layer size, for the shipped table). ``--experts-sweep`` times the experts' GEMM tiles
 (``EXPERTS_SWEEP``) on one path (``--experts-sweep-path``) at 8 and 16 tokens beside the other path's defaults
-(``fp8_experts_sweep_<path>.json``: the source of ``FP8_SMALL_BATCH_MAX_TOKENS`` and ``configs.default_fp8_config``).
+(``fp8_experts_sweep_<path>.json``: the source of ``FP8_SMALL_BATCH_MAX_TOKENS`` and ``configs.default_fp8_config``);
+with ``--experts-sweep-act-quant`` the W8A8 GEMMs' tiles (``EXPERTS_W8A8_SWEEP``, at ``--experts-sweep-tokens``;
+``fp8_experts_sweep_<path>_w8a8.json``: the source of ``configs.default_w8a8_config``).
 
 GPU: ``python benchmarks/bench_fp8_gemm.py --out benchmarks/results/fp8_gemm.json`` (a few minutes on an H200);
 ``python benchmarks/bench_fp8_gemm.py --experts --out benchmarks/results/fp8_experts.json``.
@@ -99,6 +102,9 @@ def parse_args(argv=None):
                    help="time the FP8 experts' GEMM tiles on one path (--experts-sweep-path) at 8 and 16 tokens")
     p.add_argument("--experts-sweep-path", choices=("small", "aligned"), default="small",
                    help="the path whose tiles --experts-sweep times (the other runs with its default tiles)")
+    p.add_argument("--experts-sweep-act-quant", action="store_true",
+                   help="--experts-sweep times the W8A8 GEMMs' tiles (EXPERTS_W8A8_SWEEP) instead")
+    p.add_argument("--experts-sweep-tokens", default="8,16", help="token counts --experts-sweep times")
     p.add_argument("--gemv-sweep", action="store_true",
                    help="time the decode GEMVs' tiles (linear: V2-Lite/V3 shapes; experts: V2-Lite) at T <= 4")
     p.add_argument("--sweep-shapes", default=",".join(SWEEP_SHAPES))
@@ -122,7 +128,7 @@ def expert_layer(args, device, gen, shape=None):
 
     shape = shape or (TINY_EXPERTS if args.dry_run else EXPERTS)
     e, h, i = shape["num_experts"], shape["hidden"], shape["inter"]
-    block = (16, 16) if args.dry_run else (128, 128)
+    block = (16, 32) if args.dry_run else (128, 128)  # (bk 32: the W8A8 GEMMs' smallest group)
     gate_up = torch.randn(e, 2 * i, h, device=device, generator=gen) * 0.02
     down = torch.randn(e, h, i, device=device, generator=gen) * 0.02
     q1, s1 = quantize_expert_stack(gate_up, block, rows=2 * -(-i // block[0]))
@@ -148,7 +154,7 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
     from mla_fuser.kernels.fused_moe import (fused_experts, fused_experts_fp8, fused_experts_fp8_ref,
                                              fused_experts_fp8_triton, fused_experts_triton)
     from mla_fuser.kernels.fused_moe.configs import get_moe_config
-    from mla_fuser.kernels.fused_moe.fp8_launch import choose_fp8_path
+    from mla_fuser.kernels.fused_moe.fp8_launch import choose_act_quant, choose_fp8_path
     from mla_fuser.kernels.fused_moe.launch import _choose_path, gemv_down_max_tokens
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -170,12 +176,11 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
         if t <= gemv_down_max_tokens():
             variants["fp8_gemms"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
                                                                        decode_gemv=False)
-            # the decode GEMVs on the same tiles, widening e4m3 with integer ops ("int_widen"; off by default)
-            tiles = get_moe_config(choose_fp8_path("auto", t, t * k), t, k, shape["num_experts"], fp8=True, hidden=h)
-            int_tiles = dict(tiles, fp8_gemv1=dict(tiles["fp8_gemv1"], int_widen=True),
-                             fp8_gemv2=dict(tiles["fp8_gemv2"], int_widen=True))
-            variants["fp8_int"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
-                                                                     config=int_tiles)
+        # the W8A8 GEMMs (activations quantised in the kernel) and the weight-only ones, whichever "fp8" picks
+        variants["fp8_w8a8"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
+                                                                  act_quant=True)
+        variants["fp8_weight_only"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
+                                                                         act_quant=False)
         # fp16 activations: the weight-only GEMMs widen e4m3 to the activations' dtype, which for fp16 is one
         # cvt.rn.f16x2.e4m3x2 per two weights, where bf16 adds a cvt.bf16.f16 per weight (what decode-time FP8
         # costs in conversions, not bytes)
@@ -185,7 +190,8 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
             variants["fp8_gemms_f16act"] = lambda i: fused_experts_fp8_triton(xh, q1, s1, q2, s2, *routes[i],
                                                                               **layout, decode_gemv=False)
         row = {"tokens": t, "experts_picked": picked, "path": _choose_path("auto", t, t * k),
-               "fp8_path": choose_fp8_path("auto", t, t * k)}
+               "fp8_path": choose_fp8_path("auto", t, t * k),
+               "fp8_act_quant": choose_act_quant(x, t, layout["gate_up_block"], layout["down_block"])}
         for label, fn in variants.items():
             try:
                 out = fn(0).float()
@@ -200,7 +206,7 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
             except Exception as exc:  # record and go on
                 row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                 traceback.print_exc()
-        for label in ("fp8", "fp8_gemms", "fp8_int", "fp8_f16act", "fp8_gemms_f16act"):
+        for label in ("fp8", "fp8_gemms", "fp8_w8a8", "fp8_weight_only", "fp8_f16act", "fp8_gemms_f16act"):
             if f"{label}_ms" in row and "bf16_ms" in row:
                 row[f"{label}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{label}_ms"]
         result["rows"].append(row)
@@ -564,6 +570,11 @@ def run_gemv_sweep(args, result, device, graph_ms, tokens):
 
 EXPERTS_SWEEP = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=st)
                  for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8) for st in (3, 4, 5)]
+# the W8A8 GEMMs' tiles (--experts-sweep-act-quant): K tiles are the quantisation block's bk; the transposed product
+# takes at least 64 weight columns per warp group
+EXPERTS_W8A8_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=w, num_stages=st)
+                      for bm in (16, 32) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4, 6)
+                      if bn >= 64 * w // 4]
 
 
 def run_experts_sweep(args, result, device, graph_ms, tokens):
@@ -573,7 +584,9 @@ def run_experts_sweep(args, result, device, graph_ms, tokens):
     import torch
     from mla_fuser.kernels.fused_moe import fused_experts_fp8_ref, fused_experts_fp8_triton
 
-    grid = [dict(c, BLOCK_K=16) for c in EXPERTS_SWEEP[:2]] if args.dry_run else EXPERTS_SWEEP
+    act_quant = args.experts_sweep_act_quant
+    full = EXPERTS_W8A8_SWEEP if act_quant else EXPERTS_SWEEP
+    grid = [dict(c, BLOCK_K=16) for c in full[:2]] if args.dry_run else full
     gen = torch.Generator(device=device).manual_seed(0)
     shape, _, _, (q1, s1, q2, s2), layout = expert_layer(args, device, gen)
     timer = graph_ms if device == "cuda" else (lambda fn, copies, calls, rep: 0.0)
@@ -581,18 +594,23 @@ def run_experts_sweep(args, result, device, graph_ms, tokens):
     for t in tokens:
         x = torch.randn(t, shape["hidden"], device=device, generator=gen).to(torch.bfloat16)
         routes = random_routes(t, shape, device, gen)
-        ref = fused_experts_fp8_ref(x, q1, s1, q2, s2, *routes[0], **layout).float()
+        ref = fused_experts_fp8_ref(x, q1, s1, q2, s2, *routes[0], **layout, act_quant=act_quant).float()
         swept = args.experts_sweep_path
         other = "aligned" if swept == "small" else "small"
         runs = [(swept, cfg, {"gemm1": cfg, "gemm2": cfg}) for cfg in grid] + [(other, None, None), (swept, None, None)]
         for path, cfg, conf in runs:
             fn = (lambda j, p=path, c=conf: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[j], **layout, path=p,
-                                                                     config=c))
-            err = float((fn(0).float() - ref).abs().max() / ref.abs().max())
-            records.append(dict(tokens=t, path=path, **(cfg or {}), rel_err=err,
-                                ms=timer(fn, ROUTINGS, ROUTINGS, args.sweep_rep)))
+                                                                     config=c, act_quant=act_quant))
+            try:
+                err = float((fn(0).float() - ref).abs().max() / ref.abs().max())
+                records.append(dict(tokens=t, path=path, **(cfg or {}), rel_err=err,
+                                    ms=timer(fn, ROUTINGS, ROUTINGS, args.sweep_rep)))
+            except Exception as exc:  # (a tile that needs more shared memory than the GPU has): record, go on
+                records.append(dict(tokens=t, path=path, **(cfg or {}), error=f"{type(exc).__name__}: {exc}"[:300]))
     best = {}
     for r in records:
+        if "error" in r:
+            continue
         if r["rel_err"] < MAX_REL_ERR["weight_only"] and (r["tokens"] not in best or r["ms"] < best[r["tokens"]]["ms"]):
             best[r["tokens"]] = r
     result["experts_sweep"] = dict(records=records, best=list(best.values()))
@@ -697,7 +715,8 @@ def main(argv=None):
         del src, dst
         print(f"copy bandwidth {result['copy_GBps']:.0f} GB/s", flush=True)
     if args.experts_sweep:
-        run_experts_sweep(args, result, device, graph_ms, [3] if args.dry_run else [8, 16])
+        run_experts_sweep(args, result, device, graph_ms,
+                          [3] if args.dry_run else [int(t) for t in args.experts_sweep_tokens.split(",")])
     elif args.gemv_sweep:
         run_gemv_sweep(args, result, device, graph_ms, [1, 3] if args.dry_run else [1, 4])
     elif args.sweep:
@@ -706,7 +725,8 @@ def main(argv=None):
         bench_experts(args, eager_ms, graph_ms, result, device, [1, 5] if args.dry_run else tokens)
     else:
         bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms)
-    stem = (f"fp8_experts_sweep_{args.experts_sweep_path}.json" if args.experts_sweep
+    sweep_kind = args.experts_sweep_path + ("_w8a8" if args.experts_sweep_act_quant else "")
+    stem = (f"fp8_experts_sweep_{sweep_kind}.json" if args.experts_sweep
             else "fp8_gemv_sweep.json" if args.gemv_sweep else "fp8_experts.json" if args.experts
             else "fp8_gemm_sweep.json" if args.sweep else "fp8_gemm.json")
     out = args.out or (os.path.join(tempfile.mkdtemp(), stem) if args.dry_run

@@ -59,6 +59,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("MLA_FUSER_DIRECT_LAUNCH", "switch", True,
              "`0` launches compiled Triton kernels through Triton's own `JITFunction.run` every time instead of "
              "straight through the kernel Triton compiled for the call's specialisation (less host time per launch)"),
+    Variable("MLA_FUSER_FP8_ACT_QUANT", "switch", True,
+             "`0` keeps block-FP8 layers weight-only at every batch size: activations are never quantised to e4m3 "
+             "(the linear's tensor-core path from 128 tokens and the FP8 experts' W8A8 GEMMs from 5 tokens are "
+             "off; slower, a little more accurate)"),
     Variable("TRITON_INTERPRET", "switch", False,
              "Triton's own flag: run Triton kernels in its interpreter (how the tests run them on CPU)"),
 )}
@@ -155,6 +159,10 @@ def moe_small_batch_tokens(default: int) -> int:
 def moe_gemv_tokens(default: int) -> int:
     value = get("MLA_FUSER_MOE_GEMV_TOKENS")
     return default if value is None else value
+
+
+def fp8_act_quant() -> bool:
+    return bool(get("MLA_FUSER_FP8_ACT_QUANT"))
 
 
 def moe_configs_path() -> str | None:

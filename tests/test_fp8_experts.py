@@ -175,6 +175,69 @@ def test_integer_widening_needs_a_block_fp8_stack_of_whole_words():
     assert _int_words(asked, torch.zeros(3, 8, 50, dtype=torch.float8_e4m3fn)[..., 2:], True) is None  # (offset)
 
 
+W8A8_TILES = {"gemm1": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=2, SCAN_P=16),
+              "gemm2": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=2, SCAN_P=32)}
+
+
+@needs_triton
+@pytest.mark.parametrize("path", ["small", "aligned"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hidden,inter,block,halves", [(80, 40, (32, 32), True), (64, 48, (16, 32), False),
+                                                       (64, 32, (64, 64), True)])
+def test_w8a8_gemms_match_their_reference(monkeypatch, path, dtype, hidden, inter, block, halves):
+    """The W8A8 GEMMs (activations quantised in the kernel per token and ``bk`` features, e4m3 products) compute the
+    reference's W8A8 math, and measurably not the weight-only math: the output is on average at least twice as close
+    to the act-quant reference as to the weight-only one.  K not a multiple of ``bk`` (80 = 2.5 groups of 32: the last
+    group partial), both gate/up scale layouts, a sentinel id, an expert with more pairs than one tile; activations
+    spread over three decades so that per-group scales matter."""
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    num_experts, tokens, topk = 5, 18, 2
+    stacks, layout = _stacks(num_experts, hidden, inter, block, halves)
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(tokens, hidden, generator=gen) * torch.logspace(-3, 0, hidden)).to(dtype)
+    ids = torch.randint(0, num_experts, (tokens, topk), generator=gen)
+    ids[:, 0] = 0  # expert 0 gets 18 > BLOCK_M pairs
+    ids[1, 1] = num_experts  # an expert-parallel sentinel: contributes nothing
+    w = torch.rand(tokens, topk, generator=gen)
+    ref = fm.fused_experts_fp8_ref(x, *stacks, ids, w, act_quant=True, **layout)
+    weight_only = fm.fused_experts_fp8_ref(x, *stacks, ids, w, **layout)
+    dev = [t.to(DEVICE) for t in (x, *stacks, ids, w)]
+    out = fm.fused_experts_fp8_triton(*dev, path=path, config=W8A8_TILES, act_quant=True, **layout).cpu()
+    _close(out, ref, dtype)
+    to_ref = (out.float() - ref.float()).abs().mean().item()
+    to_weight_only = (out.float() - weight_only.float()).abs().mean().item()
+    assert to_ref * 2 <= to_weight_only, (to_ref, to_weight_only)
+
+
+def test_w8a8_is_chosen_by_tokens_dtype_blocks_and_switch(monkeypatch):
+    """Auto: W8A8 from FP8_ACT_QUANT_MIN_TOKENS to FP8_ACT_QUANT_MAX_TOKENS tokens on fp16/bf16 activations with 32/64/128-wide K blocks and FP8
+    tensor cores (the interpreter stands in), never with ``MLA_FUSER_FP8_ACT_QUANT=0``; forcing it where it cannot
+    run is an error, not a silent fallback."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    many = fp8_launch.FP8_ACT_QUANT_MIN_TOKENS
+    bf16 = torch.zeros(1, 8, dtype=torch.bfloat16)
+    assert fp8_launch.choose_act_quant(bf16, many, (128, 128), (128, 128))
+    assert not fp8_launch.choose_act_quant(bf16, many - 1, (128, 128), (128, 128))
+    assert fp8_launch.choose_act_quant(bf16, fp8_launch.FP8_ACT_QUANT_MAX_TOKENS, (128, 128), (128, 128))
+    assert not fp8_launch.choose_act_quant(bf16, fp8_launch.FP8_ACT_QUANT_MAX_TOKENS + 1, (128, 128), (128, 128))
+    assert not fp8_launch.choose_act_quant(bf16.float(), many, (128, 128), (128, 128))
+    assert not fp8_launch.choose_act_quant(bf16, many, (128, 128), (128, 16))
+    monkeypatch.setenv("MLA_FUSER_FP8_ACT_QUANT", "0")
+    assert not fp8_launch.choose_act_quant(bf16, many, (128, 128), (128, 128))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("MLA_FUSER_FP8_ACT_QUANT")
+    if not ON_GPU:  # (no FP8 tensor cores on a CPU)
+        assert not fp8_launch.choose_act_quant(bf16, many, (128, 128), (128, 128))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    stacks, layout = _stacks(2, 32, 32, (16, 16), False)
+    x = torch.randn(many, 32)
+    ids, w = torch.zeros(many, 1, dtype=torch.long), torch.ones(many, 1)
+    with pytest.raises(ValueError, match="W8A8"):
+        fm.fused_experts_fp8_triton(x.to(DEVICE), *[t.to(DEVICE) for t in (*stacks, ids, w)], act_quant=True,
+                                    **layout)
+
+
 @needs_triton
 def test_decode_gemvs_step_aside_when_no_row_tile_fits(monkeypatch):
     """A layout no row tile of GEMV_MIN_BLOCK_N fits (the up half starting 2 rows into a block) and calls above

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ... import envs
 from ..dispatch import cdiv, kernel_op, next_pow2, pow2_divisor, triton_interpreting, use_triton
 from .format import FP8_DTYPE, FP8_MAX, reads_as_int32_words
 from .quant import dequantize_block_fp8, dequantize_token_groups, quantize_token_groups_ref
@@ -79,7 +80,8 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _has_fp8_tensor_cores(x: torch.Tensor) -> bool:
+def has_fp8_tensor_cores(x: torch.Tensor) -> bool:
+    """``x``'s GPU multiplies e4m3 on its tensor cores (compute capability >= 8.9); the interpreter stands in."""
     if x.is_cuda:
         return torch.cuda.get_device_capability(x.device) >= (8, 9)
     return triton_interpreting()
@@ -96,12 +98,12 @@ def gemv_block_n(block_n: int, wanted: int) -> int:
 def choose_path(tokens: int, x: torch.Tensor, block_n: int, block_k: int) -> str:
     """The GEMV for decode-sized calls (when its row tile fits the scale blocks); weight-only for few tokens; FP8
     tensor cores for many, when the weight is block-quantised in K blocks the kernel's 64/128-wide K tiles divide,
-    and the GPU has FP8 tensor cores."""
+    the GPU has FP8 tensor cores and ``MLA_FUSER_FP8_ACT_QUANT`` (read per call) is not off."""
     if tokens <= GEMV_MAX_TOKENS and gemv_block_n(block_n, GEMV_CONFIG.block_n):
         return GEMV
     if tokens < FP8_TENSOR_CORE_MIN_TOKENS or block_n <= 0 or block_k % 64 != 0:
         return WEIGHT_ONLY
-    return TENSOR_CORE if _has_fp8_tensor_cores(x) else WEIGHT_ONLY
+    return TENSOR_CORE if envs.fp8_act_quant() and has_fp8_tensor_cores(x) else WEIGHT_ONLY
 
 
 def triton_supported(x: torch.Tensor, block_n: int, block_k: int) -> bool:

@@ -76,6 +76,19 @@ def default_fp8_config(path: str, num_tokens: int, topk: int, num_experts: int, 
     return cfg
 
 
+def default_w8a8_config(path: str, num_tokens: int, topk: int, num_experts: int) -> dict:
+    """The block-FP8 experts' W8A8 GEMMs (``fp8_kernels``' ``ACT_QUANT``; the launch sets ``BLOCK_K`` to the
+    quantisation block's ``bk``): 16 pairs by 64 weight columns (the transposed product's MMA rows: ``wgmma`` takes
+    64 per warp group) at decode sizes, where they run (``fp8_launch.FP8_ACT_QUANT_MAX_TOKENS``); 64 by 128 on 4 warps
+    and 3 stages above (bf16 activation tiles of 128 columns and two e4m3 weight tiles per stage: the bf16 op's
+    128-row tiles with 4 stages need more shared memory than an H200 has)."""
+    if path == "small" or num_tokens * topk / max(1, num_experts) <= 32:
+        tile = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    else:
+        tile = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
+    return {"gemm1": dict(tile), "gemm2": dict(tile)}
+
+
 @functools.lru_cache(maxsize=4)
 def _load_tuned(path: str) -> dict:
     with open(path) as f:
@@ -83,12 +96,13 @@ def _load_tuned(path: str) -> dict:
 
 
 def get_moe_config(path: str, num_tokens: int, topk: int, num_experts: int, fp8: bool = False,
-                   hidden: int = 0) -> dict:
+                   hidden: int = 0, act_quant: bool = False) -> dict:
     """Config for one call: tuned (JSON at ``$MLA_FUSER_MOE_CONFIGS``, the ``best_configs`` format written
     by the benchmark: ``{path: {"<max_tokens>": {"gemm1": {...}, "gemm2": {...}}}}``, the smallest bucket
     >= num_tokens wins, and the aligned path's gemm1/gemm2 must share ``BLOCK_M``; it applies to block-FP8 experts
     too; its entries may carry the decode GEMVs' ``gemv1``/``gemv2`` and ``fp8_gemv1``/``fp8_gemv2`` tiles) or the
-    defaults (``fp8``: :func:`default_fp8_config`; ``hidden`` picks the decode GEMVs' tuned row)."""
+    defaults (``fp8``: :func:`default_fp8_config`, with ``act_quant`` :func:`default_w8a8_config`; ``hidden`` picks
+    the decode GEMVs' tuned row)."""
     tuned_file = envs.moe_configs_path()
     if tuned_file:
         table = _load_tuned(tuned_file).get(path, {})
@@ -98,4 +112,6 @@ def get_moe_config(path: str, num_tokens: int, topk: int, num_experts: int, fp8:
                 return table[str(b)]
         if buckets:
             return table[str(buckets[-1])]
+    if fp8 and act_quant:
+        return default_w8a8_config(path, num_tokens, topk, num_experts)
     return (default_fp8_config if fp8 else default_config)(path, num_tokens, topk, num_experts, hidden)

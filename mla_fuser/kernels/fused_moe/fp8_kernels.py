@@ -22,7 +22,7 @@ interpreter's fp32 -> e4m3 rounding bug does not apply.
 
 from __future__ import annotations
 
-from ..dispatch import SUM_COMBINE, LazyJit, tl
+from ..dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, tl
 
 
 @LazyJit
@@ -34,8 +34,17 @@ def moe_w8_gemm_kernel(
     A_ROW_DIV: tl.constexpr, ALIGNED: tl.constexpr, GATED: tl.constexpr, MUL_ROUTING: tl.constexpr,
     ACT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, SCAN_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACT_QUANT: tl.constexpr,
 ):
-    """``C[pair, n] = epilogue(A[pair // A_ROW_DIV, :] @ dequant(W[e])[n, :])``; grids as ``moe_gemm_kernel``."""
+    """``C[pair, n] = epilogue(A[pair // A_ROW_DIV, :] @ dequant(W[e])[n, :])``; grids as ``moe_gemm_kernel``.
+
+    ``ACT_QUANT`` (the W8A8 variant; ``BLOCK_K`` is then the quantisation block's ``bk``): each ``[BLOCK_M,
+    BLOCK_K]`` activation tile is quantised in registers, one max-abs e4m3 scale per row (the token groups of
+    DeepSeek's inference code and of the FP8 linear's tensor-core path, computed where they are used: no extra
+    launch), and the e4m3 weight tile goes to the FP8 tensor cores as loaded, never widened.  The product is
+    computed transposed, ``W_tile @ A_tile^T`` (``[BLOCK_N, BLOCK_M]``), so that weight rows fill the MMA's 64-row
+    side and a handful of tokens its narrow one (Hopper's ``wgmma`` takes 64 rows; a 16-token tile there would pad
+    to 64)."""
     if ALIGNED:
         pid = tl.program_id(0)
         num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -92,32 +101,68 @@ def moe_w8_gemm_kernel(
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
         wg_ptrs = w_base + g_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
         wu_ptrs = w_base + u_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-        acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-        acc_u = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            sg = tl.load(sg_rows + (k0 // QBK) * stride_sk, mask=n_ok, other=0.0)
-            if UPCAST:  # interpreter only
-                a = a.to(tl.float32)
-                part = tl.dot(a, wg.to(tl.float32), input_precision="ieee")
-            elif IEEE:
-                part = tl.dot(a, wg.to(tl.float32), input_precision="ieee")
-            else:
-                part = tl.dot(a, wg.to(a.dtype))
-            acc += part * sg[None, :]
-            if GATED:
-                wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                su = tl.load(su_rows + (k0 // QBK) * stride_sk, mask=n_ok, other=0.0)
-                if UPCAST or IEEE:
-                    part_u = tl.dot(a, wu.to(tl.float32), input_precision="ieee")
+        if ACT_QUANT:
+            acc_t = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
+            acc_ut = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                # e4m3's largest value 448; a row of zeros keeps a finite scale (as ``fp8.quant``)
+                a_scale = tl.maximum(tl.reduce(tl.abs(a), 1, MAX_COMBINE) / 448.0, 1e-12)
+                aq = a / a_scale[:, None]  # (|aq| <= FP8_MAX: no clamp)
+                if UPCAST:  # interpreter only: round to e4m3 in fp32 (as act_quant_kernel's ROUND_FIRST), fp32 dots
+                    exponent = ((aq.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+                    magic = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True) * 12582912.0
+                    aq_t = tl.trans((aq + magic) - magic)
                 else:
-                    part_u = tl.dot(a, wu.to(a.dtype))
-                acc_u += part_u * su[None, :]
-            a_ptrs += BLOCK_K * stride_ak
-            wg_ptrs += BLOCK_K * stride_wk
-            wu_ptrs += BLOCK_K * stride_wk
+                    aq_t = tl.trans(aq.to(tl.float8e4nv))
+                wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                sg = tl.load(sg_rows + (k0 // QBK) * stride_sk, mask=n_ok, other=0.0)
+                if UPCAST:
+                    part = tl.dot(tl.trans(wg.to(tl.float32)), aq_t, input_precision="ieee")
+                else:
+                    part = tl.dot(tl.trans(wg), aq_t)
+                acc_t += part * sg[:, None] * a_scale[None, :]
+                if GATED:
+                    wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    su = tl.load(su_rows + (k0 // QBK) * stride_sk, mask=n_ok, other=0.0)
+                    if UPCAST:
+                        part_u = tl.dot(tl.trans(wu.to(tl.float32)), aq_t, input_precision="ieee")
+                    else:
+                        part_u = tl.dot(tl.trans(wu), aq_t)
+                    acc_ut += part_u * su[:, None] * a_scale[None, :]
+                a_ptrs += BLOCK_K * stride_ak
+                wg_ptrs += BLOCK_K * stride_wk
+                wu_ptrs += BLOCK_K * stride_wk
+            acc = tl.trans(acc_t)
+            acc_u = tl.trans(acc_ut)
+        else:
+            acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+            acc_u = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                sg = tl.load(sg_rows + (k0 // QBK) * stride_sk, mask=n_ok, other=0.0)
+                if UPCAST:  # interpreter only
+                    a = a.to(tl.float32)
+                    part = tl.dot(a, wg.to(tl.float32), input_precision="ieee")
+                elif IEEE:
+                    part = tl.dot(a, wg.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(a, wg.to(a.dtype))
+                acc += part * sg[None, :]
+                if GATED:
+                    wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    su = tl.load(su_rows + (k0 // QBK) * stride_sk, mask=n_ok, other=0.0)
+                    if UPCAST or IEEE:
+                        part_u = tl.dot(a, wu.to(tl.float32), input_precision="ieee")
+                    else:
+                        part_u = tl.dot(a, wu.to(a.dtype))
+                    acc_u += part_u * su[None, :]
+                a_ptrs += BLOCK_K * stride_ak
+                wg_ptrs += BLOCK_K * stride_wk
+                wu_ptrs += BLOCK_K * stride_wk
 
         if GATED:
             if ACT == 0:

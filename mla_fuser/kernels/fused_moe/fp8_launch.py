@@ -23,6 +23,7 @@ import torch
 from ... import envs
 from ..dispatch import cdiv, kernel_op, next_pow2, pow2_divisor, triton_interpreting, use_triton
 from ..fp8.linear import gemv_block_n as linear_gemv_block_n
+from ..fp8.linear import has_fp8_tensor_cores
 from .fp8_kernels import moe_w8_gemm_kernel
 from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
 from .launch import (_choose_path, _tiles, align_tokens_to_experts, gemv_down_max_tokens, launch_down_gemv,
@@ -39,6 +40,32 @@ FP8_GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=2)
 # CUDA-graph timing, one V2-Lite layer) the aligned path beat every small-path tile at 8 and 16 tokens: 125 vs 138 us
 # and 173 vs 190 us; below 5 tokens the decode GEMVs run
 FP8_SMALL_BATCH_MAX_TOKENS = 4
+
+
+# From FP8_ACT_QUANT_MIN_TOKENS to FP8_ACT_QUANT_MAX_TOKENS tokens the expert GEMMs run W8A8 (``moe_w8_gemm_kernel``'s
+# ``ACT_QUANT``: activations quantised per token and ``bk`` features inside the kernel, e4m3 weights straight into FP8
+# tensor cores) where :func:`act_quant_supported`; elsewhere the decode GEMVs and the weight-only GEMMs.  On an H200
+# (``bench_fp8_gemm.py --experts``, one V2-Lite layer, CUDA-graph timing; ``fp8_experts_w8a8.json``) W8A8 against
+# weight-only: 105 vs 117 us at 8 tokens, 147 vs 162 at 16, 167 vs 191 at 32, 177 vs 200 at 64; at 4 tokens the
+# GEMVs win (70 vs 71 us), at 512 the weight-only GEMMs (392 vs 543 us: prefill tiles for W8A8 are not tuned yet).
+# ``MLA_FUSER_FP8_ACT_QUANT=0``: never.
+FP8_ACT_QUANT_MIN_TOKENS, FP8_ACT_QUANT_MAX_TOKENS = 5, 64
+# quantisation blocks' ``bk`` the W8A8 GEMMs take: one K tile is one activation group, and FP8 MMAs take K >= 32
+ACT_QUANT_GROUPS = (32, 64, 128)
+
+
+def act_quant_supported(hidden: torch.Tensor, gate_up_block, down_block) -> bool:
+    """The W8A8 GEMMs can run: fp16/bf16 activations (fp32 ones keep the exact weight-only GEMMs), both stacks'
+    ``bk`` in ``ACT_QUANT_GROUPS``, FP8 tensor cores (or the interpreter)."""
+    return (hidden.dtype in (torch.bfloat16, torch.float16) and gate_up_block[1] in ACT_QUANT_GROUPS
+            and down_block[1] in ACT_QUANT_GROUPS and has_fp8_tensor_cores(hidden))
+
+
+def choose_act_quant(hidden: torch.Tensor, num_tokens: int, gate_up_block, down_block) -> bool:
+    """W8A8 for this call: ``FP8_ACT_QUANT_MIN_TOKENS`` to ``FP8_ACT_QUANT_MAX_TOKENS`` tokens, where supported,
+    unless switched off."""
+    return (FP8_ACT_QUANT_MIN_TOKENS <= num_tokens <= FP8_ACT_QUANT_MAX_TOKENS and envs.fp8_act_quant()
+            and act_quant_supported(hidden, gate_up_block, down_block))
 
 
 def triton_supported(hidden: torch.Tensor, gate_up_block, down_block) -> bool:
@@ -75,13 +102,14 @@ def choose_fp8_path(path: str, num_tokens: int, num_pairs: int) -> str:
 
 
 def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out, k_dim, a_row_div, gated, act,
-                   block, cfg, num_experts, up_scale_base=0, up_row_shift=0):
+                   block, cfg, num_experts, up_scale_base=0, up_row_shift=0, act_quant=False):
     """One block-FP8 expert-grouped GEMM (GEMM1 if ``gated`` else GEMM2); ``align`` None = small path.  (bf16
     activations' dots on fp16 operands, which widen e4m3 without the detour through fp16 to bf16, were slower on an
     H200 at 1-16 tokens, 184 against 166 us for a V2-Lite layer at 16, ``fp8_experts_variants.json``: the per-row
-    scaling pass they need cost more than the widening saved.)"""
+    scaling pass they need cost more than the widening saved.)  ``act_quant``: the W8A8 variant, whose K tile is
+    the quantisation block's ``bk`` (one activation group per tile, :func:`act_quant_supported`)."""
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    block_k = min(cfg["BLOCK_K"], pow2_divisor(block[1], 128))
+    block_k = block[1] if act_quant else min(cfg["BLOCK_K"], pow2_divisor(block[1], 128))
     if align is None:
         grid = (num_experts, cdiv(n_out, block_n))
         sorted_ids = expert_ids = num_post = c  # never read on the small path
@@ -99,20 +127,27 @@ def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out
         A_ROW_DIV=a_row_div, ALIGNED=align is not None, GATED=gated, MUL_ROUTING=routing is not None, ACT=act,
         IEEE=a.dtype == torch.float32, UPCAST=not a.is_cuda and triton_interpreting(),
         SCAN_P=cfg.get("SCAN_P", min(512, max(16, next_pow2(num_pairs)))),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.get("GROUP_M", 1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.get("GROUP_M", 1), ACT_QUANT=act_quant,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
 
 
 def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights, *,
                              gate_up_block, down_block, up_scale_base=0, up_row_shift=None, activation="silu",
-                             path="auto", config: Optional[dict] = None, decode_gemv: bool = True) -> torch.Tensor:
+                             path="auto", config: Optional[dict] = None, decode_gemv: bool = True,
+                             act_quant: Optional[bool] = None) -> torch.Tensor:
     """The Triton implementation (no dispatch); arguments as :func:`fused_experts_fp8`, ``config`` as the bf16
     op's (``{"gemm1": {...}, "gemm2": {...}}``, plus ``"fp8_gemv1"`` / ``"fp8_gemv2"`` for the decode GEMVs);
-    ``decode_gemv`` False keeps the small path's GEMMs at decode sizes too (tests, benchmarks)."""
+    ``decode_gemv`` False keeps the small path's GEMMs at decode sizes too (tests, benchmarks); ``act_quant`` forces
+    the GEMMs' W8A8 variant on or off (None: :func:`choose_act_quant`; on needs :func:`act_quant_supported`)."""
     num_tokens, hidden_size, num_experts, inter, topk = check_fp8_shapes(
         hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights
     )
+    if act_quant is None:
+        act_quant = choose_act_quant(hidden, num_tokens, gate_up_block, down_block)
+    elif act_quant and not act_quant_supported(hidden, gate_up_block, down_block):
+        raise ValueError(f"the W8A8 expert GEMMs need fp16/bf16 activations (got {hidden.dtype}), K blocks in "
+                         f"{ACT_QUANT_GROUPS} (got {gate_up_block[1]}, {down_block[1]}) and FP8 tensor cores")
     act = activation_code(activation)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     num_pairs = num_tokens * topk
@@ -120,12 +155,12 @@ def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scal
         return out.zero_()
     path = choose_fp8_path(path, num_tokens, num_pairs)
     cfg = config if config is not None else _tiles(path, num_tokens, topk, num_experts, envs.moe_configs_path(), True,
-                                                   hidden_size)
+                                                   hidden_size, act_quant)
     x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()
     routing = topk_weights.reshape(-1).contiguous()
     shift = inter if up_row_shift is None else up_row_shift
-    if decode_gemv and path == "small" and num_tokens <= gemv_down_max_tokens():
+    if decode_gemv and not act_quant and path == "small" and num_tokens <= gemv_down_max_tokens():
         gemv1, gemv2 = cfg.get("fp8_gemv1", FP8_GEMV_CONFIG), cfg.get("fp8_gemv2", FP8_GEMV_CONFIG)
         up_n = gemv_block_n(gemv1["BLOCK_N"], gate_up_block, shift)
         down_n = gemv_block_n(gemv2["BLOCK_N"], down_block)
@@ -142,7 +177,8 @@ def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scal
         if cfg["gemm2"]["BLOCK_M"] != block_m:
             raise ValueError("the aligned path needs the same BLOCK_M for gemm1 and gemm2")
         align = align_tokens_to_experts(flat_ids, num_experts, block_m)
-    common = dict(flat_ids=flat_ids, align=align, num_pairs=num_pairs, act=act, num_experts=num_experts)
+    common = dict(flat_ids=flat_ids, align=align, num_pairs=num_pairs, act=act, num_experts=num_experts,
+                  act_quant=act_quant)
     inter_buf = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     launch_w8_gemm(a=x, w=gate_up_w, scale=gate_up_scale, c=inter_buf, routing=None, n_out=inter, k_dim=hidden_size,
                    a_row_div=topk, gated=True, block=gate_up_block, cfg=cfg["gemm1"], up_scale_base=up_scale_base,

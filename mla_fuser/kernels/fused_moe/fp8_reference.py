@@ -8,6 +8,10 @@ rounding point moves with the weights: e4m3 weights are widened to the activatio
 ``act(gate) * up`` is rounded to ``hidden``'s dtype (not the weights') before the down projection.  Everything else
 is fp32.  This is also the torch path of ``fused_experts_fp8`` (CPU tensors, autograd): one pass per picked expert,
 each expert's weights dequantised in fp32 when it is used (never the whole stack at once).
+
+``act_quant`` gives the W8A8 GEMMs' math (``fp8_kernels``' ``ACT_QUANT``): each GEMM's input rows quantised to e4m3
+per token and ``bk`` features (max-abs / 448, ``fp8.quant.quantize_token_groups_ref``) before the fp32 products,
+the down projection's after its rounding to ``hidden``'s dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..fp8.format import FP8_DTYPE
+from ..fp8.quant import dequantize_token_groups, quantize_token_groups_ref
 from .reference import _apply_activation_ref, check_stacks_and_routing
 
 
@@ -37,6 +42,11 @@ def dequantize_expert(weight: torch.Tensor, scale: torch.Tensor, block: tuple[in
     up_rows = (torch.arange(half, device=w.device) + up_row_shift) // bn + up_scale_base
     up = w[half:] * s[up_rows].repeat_interleave(bk, 1)[:, :k]
     return torch.cat([gate, up])
+
+
+def _fake_quant(rows: torch.Tensor, group: int) -> torch.Tensor:
+    """``rows`` quantised to e4m3 per row and ``group`` features, and back, in fp32."""
+    return dequantize_token_groups(*quantize_token_groups_ref(rows, group), group)
 
 
 def check_fp8_shapes(hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights):
@@ -64,9 +74,10 @@ def fused_experts_fp8_ref(
     up_scale_base: int = 0,
     up_row_shift: int | None = None,
     activation: str = "silu",
+    act_quant: bool = False,
 ) -> torch.Tensor:
     """Reference block-FP8 experts forward (fp32 math); ``up_row_shift`` None means ``I`` (one grid over
-    ``gate_up``, the whole layout)."""
+    ``gate_up``, the whole layout); ``act_quant``: activations quantised as the W8A8 GEMMs do."""
     num_tokens, hidden_size, num_experts, inter, topk = check_fp8_shapes(
         hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights
     )
@@ -74,7 +85,7 @@ def fused_experts_fp8_ref(
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
     if num_tokens == 0 or topk == 0:
         return out.to(hidden.dtype)
-    x = hidden.float()
+    x = _fake_quant(hidden.float(), gate_up_block[1]) if act_quant else hidden.float()
     flat_ids = topk_ids.reshape(-1).long()
     flat_w = topk_weights.reshape(-1).float()
     valid = (flat_ids >= 0) & (flat_ids < num_experts)
@@ -88,6 +99,8 @@ def fused_experts_fp8_ref(
         h = _apply_activation_ref(gate_up[:, :inter], activation) * gate_up[:, inter:]
         if rounds:
             h = h.to(hidden.dtype).float()
+        if act_quant:
+            h = _fake_quant(h, down_block[1])
         y = h @ dequantize_expert(down_w[e], down_scale[e], down_block).t()
         out.index_add_(0, tokens, y * flat_w[pairs, None])
     return out.to(hidden.dtype)

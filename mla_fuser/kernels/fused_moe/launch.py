@@ -243,11 +243,11 @@ def launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk,
 
 @functools.lru_cache(maxsize=1024)
 def _tiles(path: str, num_tokens: int, topk: int, num_experts: int, tuned_file, fp8: bool = False,
-           hidden: int = 0) -> dict:
-    """``get_moe_config`` for one shape (``fp8``: of block-FP8 experts), asked once: keyed by the tuned file the
-    variable names at the call (read per call; a file is parsed once), so a changed ``MLA_FUSER_MOE_CONFIGS`` is
-    still honoured.  Read only."""
-    return get_moe_config(path, num_tokens, topk, num_experts, fp8=fp8, hidden=hidden)
+           hidden: int = 0, act_quant: bool = False) -> dict:
+    """``get_moe_config`` for one shape (``fp8``: of block-FP8 experts, ``act_quant``: their W8A8 GEMMs), asked
+    once: keyed by the tuned file the variable names at the call (read per call; a file is parsed once), so a
+    changed ``MLA_FUSER_MOE_CONFIGS`` is still honoured.  Read only."""
+    return get_moe_config(path, num_tokens, topk, num_experts, fp8=fp8, hidden=hidden, act_quant=act_quant)
 
 
 @functools.lru_cache(maxsize=256)
