@@ -153,7 +153,6 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
     import torch
     from mla_fuser.kernels.fused_moe import (fused_experts, fused_experts_fp8, fused_experts_fp8_ref,
                                              fused_experts_fp8_triton, fused_experts_triton)
-    from mla_fuser.kernels.fused_moe.configs import get_moe_config
     from mla_fuser.kernels.fused_moe.fp8_launch import choose_act_quant, choose_fp8_path
     from mla_fuser.kernels.fused_moe.launch import _choose_path, gemv_down_max_tokens
 
@@ -497,9 +496,6 @@ def run_sweep(args, result, device, eager_ms, graph_ms, log):
 
 GEMV_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (4, 8, 16) for bk in (256, 512, 1024)
               for w in (4, 8)]
-# the integer-widening variant (``GEMVConfig.int_widen``) on the tiles that led the sweep of the conversion variant
-GEMV_INT_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, int_widen=True) for bn, bk, w in
-                  ((4, 1024, 4), (8, 1024, 4), (8, 512, 4), (16, 1024, 4), (16, 512, 8), (8, 1024, 8))]
 GEMV_SWEEP_SHAPES = ("v2lite.q_proj", "v2lite.kv_a_proj", "v2lite.o_proj", "v2lite.shared.gate_up",
                      "v2lite.shared.down", "v3.mlp.gate_up", "v3.mlp.down")
 
@@ -529,9 +525,8 @@ def run_gemv_sweep(args, result, device, graph_ms, tokens):
         for t in tokens:
             x = torch.randn(t, k, device=device, generator=gen).to(torch.bfloat16)
             ref = block_fp8_linear_ref(x, *weights[0][:2], *block).float()
-            for cfg in grid + ([] if args.dry_run else GEMV_INT_SWEEP):
-                conf = fp8_linear.GEMVConfig(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"],
-                                             int_widen=cfg.get("int_widen", False))
+            for cfg in grid:
+                conf = fp8_linear.GEMVConfig(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"])
                 fn = (lambda i, c=conf: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block, config=c))
                 err = float((fn(0).float() - ref).abs().max() / ref.abs().max())
                 records.append(dict(kind="linear", shape=name, tokens=t, **cfg, rel_err=err,
@@ -554,14 +549,14 @@ def run_gemv_sweep(args, result, device, graph_ms, tokens):
         if r["rel_err"] < MAX_REL_ERR["weight_only"] and (key not in best or r["ms"] < best[key]["ms"]):
             best[key] = r
     for r in records:
-        cfg = (r["kind"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r.get("int_widen", False))
+        cfg = (r["kind"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"])
         by_cfg.setdefault(cfg, []).append(r["ms"] / max(best[(r["kind"], r["shape"], r["tokens"])]["ms"], 1e-12))
     overall = {}
     for (kind, *cfg), ratios in by_cfg.items():
         geo = math.exp(sum(math.log(max(v, 1e-12)) for v in ratios) / len(ratios))
         if kind not in overall or geo < overall[kind]["geomean_vs_best"]:
-            overall[kind] = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], int_widen=cfg[3],
-                                 geomean_vs_best=geo, worst_vs_best=max(ratios))
+            overall[kind] = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], geomean_vs_best=geo,
+                                 worst_vs_best=max(ratios))
     result["gemv_sweep"] = dict(records=records, best=list(best.values()), best_overall=overall)
     for r in best.values():
         print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
@@ -626,7 +621,6 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
     from mla_fuser.kernels.fp8 import linear as fp8_linear
 
     block = tuple(result["block"])
-    gemv_int = fp8_linear.GEMVConfig(int_widen=True)
     has_tc = device == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20) if device == "cuda" else 0
     gen = torch.Generator(device=device).manual_seed(0)
@@ -643,9 +637,6 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                         "auto": lambda i: block_fp8_linear(x, *weights[i][:2], block)}
             if t <= fp8_linear.GEMV_MAX_TOKENS:
                 variants["gemv"] = lambda i: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block)
-                # the same GEMV widening e4m3 with integer ops (GEMVConfig.int_widen; not on by default yet)
-                variants["gemv_int"] = lambda i: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block,
-                                                                          config=gemv_int)
             if has_tc:
                 variants["fp8_tc"] = lambda i: fp8_linear.fp8_linear_triton(x, *weights[i][:2], None, *block)
             row = {"shape": name, "N": n, "K": k, "tokens": t, "auto_path": fp8_linear.choose_path(t, x, *block)}
@@ -666,7 +657,7 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                 except Exception as exc:  # record and go on: one run on the GPU must give every other number
                     row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                     traceback.print_exc()
-            for label in ("weight_only", "gemv", "gemv_int", "fp8_tc", "auto"):
+            for label in ("weight_only", "gemv", "fp8_tc", "auto"):
                 for kind in ("", "eager_"):
                     if f"{label}_{kind}ms" in row and f"bf16_mm_{kind}ms" in row:
                         row[f"{label}_{kind}speedup_vs_bf16"] = row[f"bf16_mm_{kind}ms"] / row[f"{label}_{kind}ms"]

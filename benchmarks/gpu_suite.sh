@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_suite.sh tests graph     # only the named steps
 # Steps: tests kernel moe moe_layer ssm model graph generate profile host mamba, and (not in the default set: run
 # them by name) serving modes fp8 fp8_sweeps host_generate fp8_experts fp8_tests step_kernels splits split_rows beam
-# tune host_gpu serving_http serving_ab fp8_decode tune_gemv fp8_int.  Each has its own time limit so
+# tune host_gpu serving_http serving_ab fp8_decode tune_gemv.  Each has its own time limit so
 # one slow step cannot eat the others.
 set -u
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -74,14 +74,6 @@ want fp8_decode && step 200 python3 benchmarks/bench_fp8_gemm.py --experts-sweep
            --out "$out/fp8_experts_sweep_aligned.json"
 want fp8_decode && step 150 python3 benchmarks/profile_decode_step.py --fp8-weights --fp8-cache --shapes 1x512,16x4096 \
            --out "$out/profile_decode_step_fp8.json"
-# the FP8 decode GEMVs widening e4m3 with integer ops (the linear's GEMVConfig.int_widen, the experts' "int_widen"
-# tiles; off by default): correct compiled, then beside the conversion GEMVs (default section gemv_int, experts
-# fp8_int) and in the linear's GEMV sweep (int_widen tiles)
-want fp8_int && step 90 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_experts.py \
-           -k integer_widening
-want fp8_int && step 90 python3 benchmarks/bench_fp8_gemm.py --experts --tokens 1,2,4 --out "$out/fp8_experts_int.json"
-want fp8_int && step 150 python3 benchmarks/bench_fp8_gemm.py --tokens 1,2,4 --out "$out/fp8_gemm_int.json"
-want fp8_int && step 300 python3 benchmarks/bench_fp8_gemm.py --gemv-sweep --sweep-rep 20 --out "$out/fp8_gemv_sweep_int.json"
 # the MoE decode GEMVs' tiles: the full grid on V2-Lite, then its top tiles on V2-Lite and V3 shapes -> the table
 want tune_gemv && step 330 python3 benchmarks/tune_moe_gemv.py --jobs 14 --out "$out/moe_decode_gemv_sweep.json"
 want tune_gemv && step 200 python3 benchmarks/tune_moe_gemv.py --jobs 12 --shapes v2lite,v3 --top 10 \

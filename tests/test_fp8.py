@@ -21,7 +21,6 @@ from mla_fuser.kernels.fp8 import (block_fp8_linear_act_quant_ref, block_fp8_lin
                                    explain_block_fp8, quantize_block_fp8)
 from mla_fuser.kernels.dispatch import cdiv
 from mla_fuser.kernels.fp8 import linear as fp8_linear
-from mla_fuser.kernels.fp8.format import reads_as_int32_words
 from mla_fuser.kernels.fp8.quant import quantize_token_groups_ref
 from mla_fuser.rewrite import STACKED_ATTR
 
@@ -118,66 +117,6 @@ def test_decode_gemv_matches_reference(monkeypatch, m, n, k, block, config, with
     ref = block_fp8_linear_ref(x, weight, scale, bn, bk, bias)
     assert out.shape == (m, n) and out.dtype == x.dtype
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
-
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _compiled_on_gpu_else_interpreted(monkeypatch):
-    if DEVICE == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def _every_e4m3_value(n, k, gen):
-    """An e4m3 weight ``[n, k]`` holding every finite e4m3 byte (subnormals, both zeros, +-448) in shuffled order."""
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # (no NaN patterns)
-    picks = codes[torch.randint(0, len(codes), (n, k), generator=gen)]
-    picks.view(-1)[: len(codes)] = codes  # (each at least once)
-    return picks.view(torch.float8_e4m3fn)
-
-
-@pytest.mark.parametrize("m,n,k,block,config", [
-    (1, 40, 64, (16, 32), GEMV(8, 32, int_widen=True)),    # whole tiles
-    (3, 40, 72, (16, 32), GEMV(8, 32, int_widen=True)),    # K = 2.25 tiles (masked words)
-    (2, 64, 256, (32, 128), GEMV(16, 256, int_widen=True)),  # a tile spans two scale columns
-    (1, 24, 40, None, GEMV(8, 16, int_widen=True)),        # per-tensor scale
-])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_gemv_integer_widening_is_exact(monkeypatch, m, n, k, block, config, dtype):
-    """``int_widen``: e4m3 bytes made fp32 by integer ops and one multiply by 2^120: every finite e4m3 value,
-    subnormals and negative zero included, gives the reference's result (fp32: to summation order).  Compiled on a
-    GPU, interpreted elsewhere."""
-    _compiled_on_gpu_else_interpreted(monkeypatch)
-    gen = torch.Generator().manual_seed(m * n + k)
-    weight = _every_e4m3_value(n, k, gen)
-    bn, bk = block or (0, 0)
-    scale = torch.rand((cdiv(n, bn), cdiv(k, bk)) if block else (), generator=gen) + 0.5
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    plan = fp8_linear.gemv_plan(m, n, k, bn, False, config, True)
-    assert plan.meta["INT_WIDEN"]
-    out = fp8_linear.w8_gemv_triton(*(t.to(DEVICE) for t in (x, weight, scale)), None, bn, bk, config=config)
-    out = out.float().cpu()
-    ref = block_fp8_linear_ref(x, weight, scale, bn, bk, None).float()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(out, ref, atol=tol * ref.abs().max().item(), rtol=tol), (out - ref).abs().max()
-
-
-def test_decode_gemv_integer_widening_needs_whole_words(monkeypatch):
-    """K not a multiple of 4, or a weight whose rows do not start on a word, keep the conversions (and stay right)."""
-    _compiled_on_gpu_else_interpreted(monkeypatch)
-    gen = torch.Generator().manual_seed(3)
-    config = GEMV(8, 32, int_widen=True)
-    assert not fp8_linear.gemv_plan(1, 40, 70, 0, False, config, False).meta["INT_WIDEN"]
-    assert not fp8_linear.gemv_plan(1, 40, 64, 16, False, GEMV(8, 32), True).meta["INT_WIDEN"]
-    wide = _every_e4m3_value(40, 66, gen)
-    for weight in (wide[:, :62], wide[:, 2:66]):  # (K 62; rows starting 2 bytes into a word)
-        assert not reads_as_int32_words(weight)
-        scale = torch.tensor(0.75)
-        x = torch.randn(2, weight.shape[1], generator=gen)
-        out = fp8_linear.w8_gemv_triton(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), None, 0, 0,
-                                        config=config).cpu()
-        ref = block_fp8_linear_ref(x, weight, scale, 0, 0, None)
-        assert torch.allclose(out, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -120,61 +120,6 @@ def test_decode_gemvs_match_reference(monkeypatch, dtype, tokens, inter, block, 
     _close(out, ref, dtype)
 
 
-INT_TILES = {"fp8_gemv1": dict(BLOCK_N=8, BLOCK_K=32, int_widen=True),
-             "fp8_gemv2": dict(BLOCK_N=8, BLOCK_K=16, int_widen=True)}
-
-
-def _with_every_e4m3_byte(stack):
-    """``stack`` with its first bytes replaced by every finite e4m3 byte (subnormals, both zeros, +-448)."""
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
-    out = stack.clone()
-    out.view(torch.uint8).view(-1)[: len(codes)] = codes
-    return out
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("inter,block,halves", [(32, (16, 16), True), (24, (16, 16), False), (40, (32, 16), True)])
-def test_decode_gemvs_integer_widening_is_exact(monkeypatch, dtype, tokens, inter, block, halves):
-    """``"int_widen"`` GEMV tiles: both GEMVs read the stacks as int32 words and widen e4m3 with integer ops; with
-    every finite e4m3 byte in both stacks, K tiles masked (48 = 1.5 tiles of 32) and a sentinel id, the result is
-    the reference's.  Compiled on a GPU, interpreted elsewhere."""
-    from mla_fuser.kernels.fused_moe import launch
-
-    if not ON_GPU:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    num_experts, hidden, topk = 5, 48, 3
-    (q1, s1, q2, s2), layout = _stacks(num_experts, hidden, inter, block, halves)
-    stacks = (_with_every_e4m3_byte(q1), s1, _with_every_e4m3_byte(q2), s2)
-    gen = torch.Generator().manual_seed(11)
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    ids = torch.randint(0, num_experts, (tokens, topk), generator=gen)
-    ids[:, 0] = 0  # (expert 0 holds the special bytes)
-    ids[0, 1] = num_experts  # an expert-parallel sentinel: contributes nothing
-    w = torch.rand(tokens, topk, generator=gen)
-    taken = []
-    real = launch._int_words
-    monkeypatch.setattr(launch, "_int_words", lambda *a: taken.append(real(*a)) or taken[-1])
-    ref = fm.fused_experts_fp8_ref(x, *stacks, ids, w, **layout)
-    dev = [t.to(DEVICE) for t in (x, *stacks, ids, w)]
-    out = fm.fused_experts_fp8_triton(*dev, config=INT_TILES, **layout).cpu()
-    assert len(taken) == 2 and all(t is not None and t.dtype == torch.int32 for t in taken)
-    _close(out, ref, dtype)
-
-
-def test_integer_widening_needs_a_block_fp8_stack_of_whole_words():
-    from mla_fuser.kernels.fused_moe.launch import _int_words
-
-    stack = torch.zeros(3, 8, 48, dtype=torch.float8_e4m3fn)
-    asked = dict(BLOCK_N=8, BLOCK_K=32, int_widen=True)
-    assert _int_words(asked, stack, True).shape == (3, 8, 12)
-    assert _int_words(dict(asked, int_widen=False), stack, True) is None
-    assert _int_words(asked, stack, False) is None  # (bf16 stacks: nothing to widen)
-    assert _int_words(asked, torch.zeros(3, 8, 46, dtype=torch.float8_e4m3fn), True) is None  # (K % 4)
-    assert _int_words(asked, torch.zeros(3, 8, 50, dtype=torch.float8_e4m3fn)[..., 2:], True) is None  # (offset)
-
-
 W8A8_TILES = {"gemm1": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=2, SCAN_P=16),
               "gemm2": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=2, SCAN_P=32)}
 

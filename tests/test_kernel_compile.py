@@ -57,16 +57,13 @@ GEMV_POINTERS = {"x_ptr": "*bf16", "h_ptr": "*bf16", "bias_ptr": "*bf16", "c_ptr
 
 
 @pytest.mark.parametrize("kind", ["up", "down"])
-@pytest.mark.parametrize("variant", ["bf16", "bf16_bias", "fp8", "fp8_int"])
+@pytest.mark.parametrize("variant", ["bf16", "bf16_bias", "fp8"])
 def test_decode_gemvs_compile(kind, variant):
-    """The expert decode GEMVs: FMAs, no tensor cores; FP8 stacks widened by conversions, or with ``INT_WIDEN`` by
-    integer ops on int32 words (no conversion left)."""
     from mla_fuser.kernels.fused_moe.triton_kernels import moe_down_gemv_kernel, moe_up_gemv_kernel
 
-    fp8, words = variant.startswith("fp8"), variant == "fp8_int"
-    pointers = dict(GEMV_POINTERS, w_ptr="*i32" if words else "*fp8e4nv" if fp8 else "*bf16",
-                    s_ptr="*fp32" if fp8 else "*bf16")
-    consts = dict(TOPK=6, HAS_BIAS=variant == "bf16_bias", SCALED=fp8, BLOCK_N=8, BLOCK_K=512, INT_WIDEN=words)
+    fp8 = variant == "fp8"
+    pointers = dict(GEMV_POINTERS, w_ptr="*fp8e4nv" if fp8 else "*bf16", s_ptr="*fp32" if fp8 else "*bf16")
+    consts = dict(TOPK=6, HAS_BIAS=variant == "bf16_bias", SCALED=fp8, BLOCK_N=8, BLOCK_K=512)
     if kind == "up":
         kernel = moe_up_gemv_kernel
         consts.update(ACT=0, INTERLEAVED=variant == "bf16_bias")
@@ -74,32 +71,16 @@ def test_decode_gemvs_compile(kind, variant):
         kernel = moe_down_gemv_kernel
     ptx = _ptx(kernel, pointers, consts)
     assert _count(ptx, "mma.sync") == 0  # (FMAs: no tensor-core padding of a token's row to 16)
-    if words:
-        assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 0 and _count(ptx, "cvt.f32.f16") == 0
-        assert _count(ptx, "shr.s32") > 0
-    elif fp8:
+    if fp8:
         assert _count(ptx, "cvt.rn.f16x2.e4m3x2") > 0 and _count(ptx, "cvt.f32.f16") > 0
 
 
-@pytest.mark.parametrize("int_widen", [False, True])
-def test_linear_decode_gemv_compiles(int_widen):
-    """The FP8 linear's GEMV widens e4m3 by conversions (``cvt.rn.f16x2.e4m3x2`` per two weights, then
-    ``cvt.f32.f16`` per weight), or with ``INT_WIDEN`` by integer ops on int32 words: no conversion left, and about
-    three integer ops and one multiply per weight beside the FMA."""
+def test_linear_decode_gemv_compiles():
     from mla_fuser.kernels.fp8.triton_kernels import w8_gemv_kernel
 
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32" if int_widen else "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*fp32",
-                "out_ptr": "*bf16"}
-    ptx = _ptx(w8_gemv_kernel, pointers, dict(HAS_BIAS=True, EVEN_K=True, BLOCK_N=8, BLOCK_K=1024,
-                                              INT_WIDEN=int_widen))
-    weights = 8 * 1024 // (4 * 32)  # (per thread and K tile: 8 rows x 1024 columns over 4 warps)
-    assert _count(ptx, "mma.sync") == 0 and _count(ptx, "fma.rn.f32") == weights
-    if int_widen:
-        assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 0 and _count(ptx, "cvt.f32.f16") == 0
-        int_ops = sum(_count(ptx, op) for op in ("shl.b32", "shr.s32", "and.b32"))
-        assert int_ops <= 3.5 * weights, int_ops
-    else:
-        assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == weights // 2 and _count(ptx, "cvt.f32.f16") == weights
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16"}
+    ptx = _ptx(w8_gemv_kernel, pointers, dict(HAS_BIAS=True, EVEN_K=True, BLOCK_N=8, BLOCK_K=1024))
+    assert _count(ptx, "cvt.rn.f16x2.e4m3x2") > 0 and _count(ptx, "mma.sync") == 0
 
 
 @pytest.mark.parametrize("dot", [False, True])

@@ -64,13 +64,6 @@ class BlockFP8Layout:
         return f"FP8 e4m3 [{self.out_features}, {self.in_features}], {blocks}"
 
 
-def reads_as_int32_words(weight: torch.Tensor) -> bool:
-    """An e4m3 weight or stack (``[..., K]``) reads as whole int32 words, four e4m3 bytes each (what the decode GEMVs'
-    integer widening reads): K and every other stride multiples of 4, unit stride along K, the first byte 4-aligned."""
-    return (weight.shape[-1] % 4 == 0 and weight.stride(-1) == 1 and all(s % 4 == 0 for s in weight.stride()[:-1])
-            and weight.storage_offset() % 4 == 0)
-
-
 def holds_quantized_weight(module: nn.Module) -> bool:
     """Cheap pre-filter: a leaf with its own ``weight`` in a float8 dtype, or its own ``weight_scale_inv`` (so a
     quantised weight we cannot run, such as packed FP4, is seen and declined with its reason)."""

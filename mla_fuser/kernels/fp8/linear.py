@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ... import envs
 from ..dispatch import cdiv, kernel_op, next_pow2, pow2_divisor, triton_interpreting, use_triton
-from .format import FP8_DTYPE, FP8_MAX, reads_as_int32_words
+from .format import FP8_DTYPE, FP8_MAX
 from .quant import dequantize_block_fp8, dequantize_token_groups, quantize_token_groups_ref
 from .triton_kernels import act_quant_kernel, fp8_gemm_kernel, splitk_reduce_kernel, w8_gemm_kernel, w8_gemv_kernel
 
@@ -165,15 +165,12 @@ class GEMVConfig(NamedTuple):
     """The decode GEMV's launch: ``block_n`` weight rows (capped by :func:`gemv_block_n`) by ``block_k`` columns per
     step (capped to K's power of two), Triton's ``warps``/``stages``.  The defaults won ``bench_fp8_gemm.py
     --gemv-sweep`` on an H200 at one token (``fp8_gemv_sweep.json``): geometric mean 1.03x of each shape's own best
-    tile over seven V2-Lite and V3 shapes, worst 1.07x.  ``int_widen``: widen e4m3 with integer ops
-    (``w8_gemv_kernel``'s ``INT_WIDEN``) where K is a multiple of 4 and the weight's rows are whole int32 words; off:
-    not yet timed on a GPU."""
+    tile over seven V2-Lite and V3 shapes, worst 1.07x."""
 
     block_n: int = 8
     block_k: int = 1024
     warps: int = 4
     stages: int = 2
-    int_widen: bool = False
 
 
 GEMV_CONFIG = GEMVConfig()
@@ -284,16 +281,13 @@ class GEMVPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def gemv_plan(m: int, n: int, k: int, block_n: int, has_bias: bool, config: GEMVConfig = GEMV_CONFIG,
-              words: bool = False) -> GEMVPlan:
-    """The decode GEMV's launch for one shape (cached like :func:`w8_plan`); ``words``: the weight reads as int32
-    words (``format.reads_as_int32_words``), so ``config.int_widen`` can apply."""
+def gemv_plan(m: int, n: int, k: int, block_n: int, has_bias: bool, config: GEMVConfig = GEMV_CONFIG) -> GEMVPlan:
+    """The decode GEMV's launch for one shape (cached like :func:`w8_plan`)."""
     bn = gemv_block_n(block_n, config.block_n)
     if not bn:
         raise ValueError(f"no GEMV row tile of at least {GEMV_MIN_BLOCK_N} divides the quantisation block {block_n}")
     bk = min(config.block_k, next_pow2(k))
-    meta = dict(HAS_BIAS=has_bias, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
-                INT_WIDEN=bool(config.int_widen) and words and bk >= 4, num_warps=config.warps,
+    meta = dict(HAS_BIAS=has_bias, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=config.warps,
                 num_stages=config.stages)
     return GEMVPlan((m, cdiv(n, bn)), meta)
 
@@ -306,16 +300,14 @@ def w8_gemv_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_k:
     n = weight.shape[0]
     if not (m and n and k):
         return block_fp8_linear_ref(x2, weight, scale, block_n, block_k, bias)
-    plan = gemv_plan(m, n, k, block_n, bias is not None, config,
-                     bool(config.int_widen) and reads_as_int32_words(weight))
+    plan = gemv_plan(m, n, k, block_n, bias is not None, config)
     qbn, qbk = (block_n, block_k) if block_n > 0 else (_PER_TENSOR, _PER_TENSOR)
     scale2 = scale.reshape(1, 1) if scale.ndim == 0 else scale
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    w = weight.view(torch.int32) if plan.meta["INT_WIDEN"] else weight  # (four e4m3 bytes a word)
     _launcher(w8_gemv_kernel, plan.grid, warmup)(
-        x2, w, scale2, bias if bias is not None else scale2, out,
+        x2, weight, scale2, bias if bias is not None else scale2, out,
         n, k,
-        x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), scale2.stride(0), scale2.stride(1),
+        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), scale2.stride(0), scale2.stride(1),
         out.stride(0),
         qbn, qbk,
         **plan.meta,

@@ -92,7 +92,6 @@ def w8_gemv_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_om,
     QBN, QBK,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INT_WIDEN: tl.constexpr,
 ):
     """The decode GEMV (one to a few tokens): ``out[m, cols] = x[m] @ dequant(W[cols])^T``, one program per (token,
     ``BLOCK_N`` rows), the whole of K in one launch (no split, no reduction launch).
@@ -103,57 +102,27 @@ def w8_gemv_kernel(
     BLOCK_K]`` products accumulate elementwise and are summed once at the end.  Widening e4m3 to fp32 costs a
     ``cvt.f32.f16`` per weight (after a ``cvt.rn.f16x2.e4m3x2`` per two) at a sixteenth of the FMA rate on sm_90; fp16
     tensor-core dots on a power-of-two-scaled row avoid it but lost on an H200 at every tile swept
-    (``fp8_gemv_sweep_mma.json``).
-
-    ``INT_WIDEN`` widens with integer ops instead (no conversion instruction): ``w_ptr`` is the weight's ``int32`` view
-    (four e4m3 bytes a word, ``stride_wk`` in words; byte ``j`` of word ``q`` is weight ``4q + j``).  A byte's sign,
-    exponent and mantissa bits go to fp32's sign bit and bits 20-26 (a shift left to the top byte, an arithmetic shift
-    right by 4, a mask): read as fp32 that is the e4m3 value times 2^-120 for normal and subnormal values alike
-    (fp32's subnormals hold e4m3's), so one exact multiply by 2^120 makes the weight; the 2^120 is not folded into the
-    activations, whose product with it could overflow.  e4m3fn's NaN pattern becomes 480 (checkpoints hold none).
-    About three integer ops at the full integer rate per weight instead of the conversions; not yet timed on a GPU."""
+    (``fp8_gemv_sweep_mma.json``)."""
     m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < N
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     s_row = s_ptr + (tl.program_id(1) * BLOCK_N // QBN) * stride_sn
     x_row = x_ptr + m.to(tl.int64) * stride_xm
-    if INT_WIDEN:
-        acc4 = tl.full([BLOCK_N, BLOCK_K // 4], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_q = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-            if EVEN_K:
-                words = tl.load(w_rows + offs_q[None, :] * stride_wk, mask=n_ok[:, None], other=0)
-            else:
-                words = tl.load(w_rows + offs_q[None, :] * stride_wk, mask=n_ok[:, None] & (offs_q < K // 4)[None, :],
-                                other=0)
-            for j in tl.static_range(4):
-                kk = offs_q * 4 + j
-                if EVEN_K:
-                    xs = tl.load(x_row + kk * stride_xk).to(tl.float32) * tl.load(s_row + (kk // QBK) * stride_sk)
-                else:
-                    k_ok = kk < K
-                    xs = (tl.load(x_row + kk * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-                          * tl.load(s_row + (kk // QBK) * stride_sk, mask=k_ok, other=0.0))
-                top = words << (24 - 8 * j) if j < 3 else words  # (byte j in bits 24-31)
-                bits = (top >> 4) & ~0x780FFFFF  # (sign bit 31, exponent and mantissa bits 20-26)
-                acc4 += (bits.to(tl.float32, bitcast=True) * 1.329227995784916e36) * xs[None, :]  # (2^120)
-        out = tl.reduce(acc4, 1, SUM_COMBINE)
-    else:
-        acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                x = tl.load(x_row + offs_k * stride_xk).to(tl.float32)
-                scale = tl.load(s_row + (offs_k // QBK) * stride_sk)
-                w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = offs_k < K
-                x = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-                scale = tl.load(s_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
-                w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * (x * scale)[None, :]
-        out = tl.reduce(acc, 1, SUM_COMBINE)
+    acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_row + offs_k * stride_xk).to(tl.float32)
+            scale = tl.load(s_row + (offs_k // QBK) * stride_sk)
+            w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < K
+            x = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+            scale = tl.load(s_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
+            w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * (x * scale)[None, :]
+    out = tl.reduce(acc, 1, SUM_COMBINE)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + m.to(tl.int64) * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=n_ok)

@@ -15,7 +15,6 @@ import torch
 
 from ... import envs
 from ..dispatch import cdiv, next_pow2, triton_interpreting, use_triton
-from ..fp8.format import reads_as_int32_words
 from .configs import default_config, get_moe_config
 from .reference import activation_code, align_tokens_to_experts_ref, check_shapes, max_padded_pairs
 from .triton_kernels import (moe_align_kernel, moe_combine_kernel, moe_down_gemv_kernel, moe_gemm_kernel,
@@ -176,22 +175,6 @@ def _gemv_block_k(cfg, k_dim):
     return min(cfg["BLOCK_K"], next_pow2(k_dim))
 
 
-def _int_words(cfg, stack, scaled: bool):
-    """The e4m3 stack ``[E, rows, K]`` as int32 words when the tile asks for integer widening (``"int_widen"``) and
-    the stack allows it (block-FP8, ``fp8.format.reads_as_int32_words``), else None: the kernels' ``INT_WIDEN`` then
-    reads it (``fp8.linear.GEMVConfig.int_widen``'s trick)."""
-    if not (cfg.get("int_widen") and scaled and reads_as_int32_words(stack)):
-        return None
-    return stack.view(torch.int32)
-
-
-def _gemv_weights(cfg, stack, scaled: bool, block_k: int):
-    """``(tensor to launch with, INT_WIDEN)``: the stack's int32 words where :func:`_int_words` gives them (and a K
-    tile holds whole words), else the stack itself."""
-    words = _int_words(cfg, stack, scaled) if block_k >= 4 else None
-    return (stack, False) if words is None else (words, True)
-
-
 def launch_up_gemv(x, gate_up_w, gate_up_bias, inter_buf, flat_ids, topk, num_experts, act, interleaved, cfg,
                    warmup=False, gate_up_scale=None, gate_up_block=None, up_scale_base=0, up_row_shift=0):
     """Launch the decode path's GEMM1 + activation GEMV (``moe_up_gemv_kernel``) into ``inter_buf [pairs, I]``.
@@ -202,17 +185,16 @@ def launch_up_gemv(x, gate_up_w, gate_up_bias, inter_buf, flat_ids, topk, num_ex
     grid = (num_pairs, cdiv(inter, cfg["BLOCK_N"]))
     launch = functools.partial(moe_up_gemv_kernel.get().warmup, grid=grid) if warmup else moe_up_gemv_kernel[grid]
     has_bias, scaled = gate_up_bias is not None, gate_up_scale is not None
-    w, int_widen = _gemv_weights(cfg, gate_up_w, scaled, block_k)
     launch(
-        x, w, gate_up_bias if has_bias else inter_buf, inter_buf, flat_ids,
+        x, gate_up_w, gate_up_bias if has_bias else inter_buf, inter_buf, flat_ids,
         inter, x.shape[1], num_experts,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        x.stride(0), x.stride(1), gate_up_w.stride(0), gate_up_w.stride(1), gate_up_w.stride(2),
         gate_up_bias.stride(0) if has_bias else 0, gate_up_bias.stride(1) if has_bias else 0,
         inter_buf.stride(0), inter_buf.stride(1),
         gate_up_scale if scaled else inter_buf, *(gate_up_scale.stride() if scaled else (0, 0, 0)),
         *(gate_up_block if scaled else (1, 1)), up_scale_base, up_row_shift,
         TOPK=topk, ACT=act, INTERLEAVED=interleaved, HAS_BIAS=has_bias, SCALED=scaled,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, INT_WIDEN=int_widen,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
 
@@ -226,17 +208,15 @@ def launch_down_gemv(inter_buf, down_w, down_bias, out, flat_ids, routing, topk,
     grid = (num_tokens, cdiv(hidden_size, cfg["BLOCK_N"]))
     launch = functools.partial(moe_down_gemv_kernel.get().warmup, grid=grid) if warmup else moe_down_gemv_kernel[grid]
     has_bias, scaled = down_bias is not None, down_scale is not None
-    w, int_widen = _gemv_weights(cfg, down_w, scaled, block_k)
     launch(
-        inter_buf, w, down_bias if has_bias else out, out, flat_ids, routing,
+        inter_buf, down_w, down_bias if has_bias else out, out, flat_ids, routing,
         hidden_size, inter_buf.shape[1], num_experts,
-        inter_buf.stride(0), inter_buf.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        inter_buf.stride(0), inter_buf.stride(1), down_w.stride(0), down_w.stride(1), down_w.stride(2),
         down_bias.stride(0) if has_bias else 0, down_bias.stride(1) if has_bias else 0,
         out.stride(0), out.stride(1),
         down_scale if scaled else out, *(down_scale.stride() if scaled else (0, 0, 0)),
         *(down_block if scaled else (1, 1)),
         TOPK=topk, HAS_BIAS=has_bias, SCALED=scaled, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
-        INT_WIDEN=int_widen,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
 

@@ -299,7 +299,6 @@ def moe_down_gemv_kernel(
     SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    INT_WIDEN: tl.constexpr,
 ):
     """Decode-size GEMM2 + combine: ``out[t, n] = sum_k w[t,k] * (down_w[e_k, n, :] . h[t*K+k, :] + b[e_k, n])``.
 
@@ -313,58 +312,32 @@ def moe_down_gemv_kernel(
     folded into ``h`` with the routing weight; e4m3 widens exactly to fp32.  Widening costs one ``cvt.f32.f16`` per
     weight (after one ``cvt.rn.f16x2.e4m3x2`` per two), at a sixteenth of the FMA rate on sm_90: that, not the bytes,
     bounds this GEMV.  (fp16 tensor-core dots on power-of-two-scaled rows avoid it but were 3x slower on an H200:
-    ``fp8_experts_variants.json``.)  ``INT_WIDEN`` (with ``SCALED``): the widening by integer ops of
-    ``fp8.triton_kernels.w8_gemv_kernel`` (``w_ptr`` the stack's int32 view, ``stride_wk`` in words, ``K`` a multiple
-    of 4); not yet timed on a GPU."""
+    ``fp8_experts_variants.json``.)"""
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    # one program's accumulator: [BLOCK_N, BLOCK_K] products, or with INT_WIDEN one column per word of four bytes
-    # (every byte lane of a word: k = 4 q + lane; see w8_gemv_kernel)
-    if INT_WIDEN:
-        offs_q0 = tl.arange(0, BLOCK_K // 4)
-        acc = tl.full([BLOCK_N, BLOCK_K // 4], 0.0, tl.float32)
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if INT_WIDEN:
-            offs_q = k0 // 4 + offs_q0
-        else:
-            kk = k0 + offs_k
+        kk = k0 + offs_k
         for j in tl.static_range(TOPK):
             pair = t * TOPK + j
             e = tl.load(ids_ptr + pair)
             limit = tl.where((e >= 0) & (e < E), K, 0)  # scalar: K for a valid expert, 0 masks everything
             e_safe = tl.where(limit > 0, e, 0).to(tl.int64)
             wgt = tl.load(rw_ptr + pair).to(tl.float32)
-            if INT_WIDEN:
-                words = tl.load(w_ptr + e_safe * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-                                + offs_q[None, :] * stride_wk, mask=n_ok[:, None] & (offs_q < limit // 4)[None, :],
-                                other=0)
-                for lane in tl.static_range(4):
-                    kk4 = offs_q * 4 + lane
-                    k_ok = kk4 < limit
-                    s = tl.load(s_ptr + e_safe * stride_se + (n0 // QBN) * stride_sn + (kk4 // QBK) * stride_sk,
-                                mask=k_ok, other=0.0)
-                    h = tl.load(h_ptr + pair.to(tl.int64) * stride_hp + kk4 * stride_hk, mask=k_ok, other=0.0)
-                    top = words << (24 - 8 * lane) if lane < 3 else words
-                    bits = (top >> 4) & ~0x780FFFFF
-                    hs = h.to(tl.float32) * s * wgt
-                    acc += (bits.to(tl.float32, bitcast=True) * 1.329227995784916e36) * hs[None, :]  # (2^120)
-            else:
-                if SCALED:
-                    s = tl.load(s_ptr + e_safe * stride_se + (n0 // QBN) * stride_sn + (kk // QBK) * stride_sk,
-                                mask=kk < limit, other=0.0)
-                    wgt = s * wgt
-                h = tl.load(h_ptr + pair.to(tl.int64) * stride_hp + kk * stride_hk, mask=kk < limit, other=0.0)
-                w = tl.load(
-                    w_ptr + e_safe * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :] * stride_wk,
-                    mask=n_ok[:, None] & (kk[None, :] < limit),
-                    other=0.0,
-                )
-                acc += w.to(tl.float32) * (h.to(tl.float32) * wgt)[None, :]
+            if SCALED:
+                s = tl.load(s_ptr + e_safe * stride_se + (n0 // QBN) * stride_sn + (kk // QBK) * stride_sk,
+                            mask=kk < limit, other=0.0)
+                wgt = s * wgt
+            h = tl.load(h_ptr + pair.to(tl.int64) * stride_hp + kk * stride_hk, mask=kk < limit, other=0.0)
+            w = tl.load(
+                w_ptr + e_safe * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :] * stride_wk,
+                mask=n_ok[:, None] & (kk[None, :] < limit),
+                other=0.0,
+            )
+            acc += w.to(tl.float32) * (h.to(tl.float32) * wgt)[None, :]
     out = tl.reduce(acc, 1, SUM_COMBINE)
     if HAS_BIAS:
         for j in tl.static_range(TOPK):
@@ -385,7 +358,7 @@ def moe_up_gemv_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_cm, stride_cn,
     s_ptr, stride_se, stride_sn, stride_sk, QBN, QBK, UP_SCALE_BASE, UP_ROW_SHIFT,
     TOPK: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT_WIDEN: tl.constexpr,
+    SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Decode-size GEMM1 as a GEMV: ``C[p, n] = act(x[p // TOPK] . G[e_p, n] + bg) * (x[p // TOPK] . U[e_p, n] + bu)``,
     one program per (pair, ``BLOCK_N`` rows).  Gate row ``n`` and up row ``N + n`` of the ``[E, 2N, K]`` stack, or
@@ -397,9 +370,7 @@ def moe_up_gemv_kernel(
     rows start at ``UP_SCALE_BASE`` and its row ``n`` sits ``UP_ROW_SHIFT`` rows into them; not interleaved, no
     bias).  ``BLOCK_N`` divides ``QBN`` and ``UP_ROW_SHIFT`` (the launcher's business), so the gate tile and the up
     tile each lie in one scale row and their scales vary along K only: they are folded into two copies of the
-    activation vector (``x[k] * s[row, k // QBK]``), and ``BLOCK_K`` may span several quantisation blocks.
-    ``INT_WIDEN`` (with ``SCALED``): the widening by integer ops of ``fp8.triton_kernels.w8_gemv_kernel`` (``w_ptr``
-    the stack's int32 view, ``stride_wk`` in words, ``K`` a multiple of 4); not yet timed on a GPU."""
+    activation vector (``x[k] * s[row, k // QBK]``), and ``BLOCK_K`` may span several quantisation blocks."""
     p = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -421,48 +392,25 @@ def moe_up_gemv_kernel(
         sg_row = s_base + (n0 // QBN) * stride_sn
         su_row = s_base + (UP_SCALE_BASE + (n0 + UP_ROW_SHIFT) // QBN) * stride_sn
     x_row = x_ptr + (p // TOPK).to(tl.int64) * stride_xm
-    if INT_WIDEN:  # (every byte lane of a word: k = 4 q + lane; see w8_gemv_kernel)
-        acc_g4 = tl.full([BLOCK_N, BLOCK_K // 4], 0.0, tl.float32)
-        acc_u4 = tl.full([BLOCK_N, BLOCK_K // 4], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_q = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-            w_mask = n_ok[:, None] & (offs_q < limit // 4)[None, :]
-            g_words = tl.load(wg_rows + offs_q[None, :] * stride_wk, mask=w_mask, other=0)
-            u_words = tl.load(wu_rows + offs_q[None, :] * stride_wk, mask=w_mask, other=0)
-            for lane in tl.static_range(4):
-                kk4 = offs_q * 4 + lane
-                k_ok = kk4 < limit
-                x = tl.load(x_row + kk4 * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-                sg = tl.load(sg_row + (kk4 // QBK) * stride_sk, mask=k_ok, other=0.0)
-                su = tl.load(su_row + (kk4 // QBK) * stride_sk, mask=k_ok, other=0.0)
-                g_top = g_words << (24 - 8 * lane) if lane < 3 else g_words
-                u_top = u_words << (24 - 8 * lane) if lane < 3 else u_words
-                g_bits = (g_top >> 4) & ~0x780FFFFF
-                u_bits = (u_top >> 4) & ~0x780FFFFF
-                acc_g4 += (g_bits.to(tl.float32, bitcast=True) * 1.329227995784916e36) * (x * sg)[None, :]  # (2^120)
-                acc_u4 += (u_bits.to(tl.float32, bitcast=True) * 1.329227995784916e36) * (x * su)[None, :]
-        g = tl.reduce(acc_g4, 1, SUM_COMBINE)
-        u = tl.reduce(acc_u4, 1, SUM_COMBINE)
-    else:
-        acc_g = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-        acc_u = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < limit
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-            wg = tl.load(wg_rows + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
-            wu = tl.load(wu_rows + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
-            if SCALED:
-                sg = tl.load(sg_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
-                su = tl.load(su_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
-                acc_g += wg.to(tl.float32) * (x * sg)[None, :]
-                acc_u += wu.to(tl.float32) * (x * su)[None, :]
-            else:
-                acc_g += wg.to(tl.float32) * x[None, :]
-                acc_u += wu.to(tl.float32) * x[None, :]
-        g = tl.reduce(acc_g, 1, SUM_COMBINE)
-        u = tl.reduce(acc_u, 1, SUM_COMBINE)
+    acc_g = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    acc_u = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < limit
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+        wg = tl.load(wg_rows + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
+        wu = tl.load(wu_rows + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
+        if SCALED:
+            sg = tl.load(sg_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
+            su = tl.load(su_row + (offs_k // QBK) * stride_sk, mask=k_ok, other=0.0)
+            acc_g += wg.to(tl.float32) * (x * sg)[None, :]
+            acc_u += wu.to(tl.float32) * (x * su)[None, :]
+        else:
+            acc_g += wg.to(tl.float32) * x[None, :]
+            acc_u += wu.to(tl.float32) * x[None, :]
+    g = tl.reduce(acc_g, 1, SUM_COMBINE)
+    u = tl.reduce(acc_u, 1, SUM_COMBINE)
     if HAS_BIAS:
         b_ok = offs_n < tl.where(limit > 0, N, 0)  # (nothing for an invalid expert)
         b_base = bias_ptr + e_safe * stride_be
