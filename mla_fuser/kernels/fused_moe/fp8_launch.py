@@ -45,9 +45,10 @@ FP8_SMALL_BATCH_MAX_TOKENS = 4
 # From FP8_ACT_QUANT_MIN_TOKENS to FP8_ACT_QUANT_MAX_TOKENS tokens the expert GEMMs run W8A8 (``moe_w8_gemm_kernel``'s
 # ``ACT_QUANT``: activations quantised per token and ``bk`` features inside the kernel, e4m3 weights straight into FP8
 # tensor cores) where :func:`act_quant_supported`; elsewhere the decode GEMVs and the weight-only GEMMs.  On an H200
-# (``bench_fp8_gemm.py --experts``, one V2-Lite layer, CUDA-graph timing; ``fp8_experts_w8a8.json``) W8A8 against
-# weight-only: 105 vs 117 us at 8 tokens, 147 vs 162 at 16, 167 vs 191 at 32, 177 vs 200 at 64; at 4 tokens the
-# GEMVs win (70 vs 71 us), at 512 the weight-only GEMMs (392 vs 543 us: prefill tiles for W8A8 are not tuned yet).
+# (``bench_fp8_gemm.py --experts``, one V2-Lite layer, CUDA-graph timing; ``fp8_experts_w8a8.json``, before the
+# tuned tile) W8A8 against weight-only: 105 vs 117 us at 8 tokens, 147 vs 162 at 16, 167 vs 191 at 32, 177 vs 200 at
+# 64, and with the tuned tile (``configs.default_w8a8_config``) 133 at 16, 161 at 64; at 4 tokens the GEMVs win
+# (70 vs 71 us), at 512 the weight-only GEMMs (392 vs 543 us: prefill tiles for W8A8 are not tuned yet).
 # ``MLA_FUSER_FP8_ACT_QUANT=0``: never.
 FP8_ACT_QUANT_MIN_TOKENS, FP8_ACT_QUANT_MAX_TOKENS = 5, 64
 # quantisation blocks' ``bk`` the W8A8 GEMMs take: one K tile is one activation group, and FP8 MMAs take K >= 32
