@@ -63,6 +63,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "`0` keeps block-FP8 layers weight-only at every batch size: activations are never quantised to e4m3 "
              "(the linear's tensor-core path from 128 tokens and the FP8 experts' W8A8 GEMMs from 5 tokens are "
              "off; slower, a little more accurate)"),
+    Variable("MLA_FUSER_SPLITK_FIXUP", "switch", False,
+             "`1` has the block-FP8 weight-only GEMM's last split of each output tile add the splits' partial sums "
+             "(in split order: the same result) instead of a second launch"),
     Variable("TRITON_INTERPRET", "switch", False,
              "Triton's own flag: run Triton kernels in its interpreter (how the tests run them on CPU)"),
 )}
@@ -163,6 +166,10 @@ def moe_gemv_tokens(default: int) -> int:
 
 def fp8_act_quant() -> bool:
     return bool(get("MLA_FUSER_FP8_ACT_QUANT"))
+
+
+def splitk_fixup() -> bool:
+    return bool(get("MLA_FUSER_SPLITK_FIXUP"))
 
 
 def moe_configs_path() -> str | None:

@@ -94,6 +94,100 @@ def test_weight_only_half_precision_split_k_is_deterministic(monkeypatch, dtype,
     assert torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=1e-2), (out.float() - ref.float()).abs().max()
 
 
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _fixup_case(m, n, k, block, with_bias, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed + m + n + k)
+    weight, scale = quantize_block_fp8(torch.randn(n, k, generator=gen), block)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    return [t.to(DEVICE) if t is not None else None for t in (x, weight, scale, bias)]
+
+
+@pytest.mark.parametrize("m,n,k,block,splits", [(3, 40, 72, (16, 32), 2), (17, 48, 80, (32, 32), 3),
+                                                (2, 100, 96, None, 4), (16, 64, 256, (32, 32), 8)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["mma", "gemv4"])
+def test_split_k_fixup_equals_the_reduction(monkeypatch, m, n, k, block, splits, with_bias, dtype, variant):
+    """``MLA_FUSER_SPLITK_FIXUP``: each output tile's last split sums the partials in split order, so the result is
+    the reduction kernel's bit for bit, with one launch; the tickets are back at 0 after every call, so the next
+    call (and a replay) starts clean.  Compiled on a GPU, interpreted elsewhere."""
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if dtype == torch.bfloat16 and not ON_GPU and variant == "mma":
+        pytest.skip("the interpreter's bf16 dots are upcast; the fp32 case covers the same code")
+    x, weight, scale, bias = _fixup_case(m, n, k, block, with_bias, dtype)
+    bn, bk = block or (0, 0)
+    cfg = W8_VARIANTS[variant]
+    launches = []
+    real = fp8_linear._launcher
+    monkeypatch.setattr(fp8_linear, "_launcher", lambda kernel, *a: launches.append(kernel) or real(kernel, *a))
+    reduced = fp8_linear.w8_linear_triton(x, weight, scale, bias, bn, bk, splits=splits, config=cfg)
+    assert len(launches) == 2
+    monkeypatch.setenv("MLA_FUSER_SPLITK_FIXUP", "1")
+    for _ in range(3):  # (the tickets reset themselves)
+        launches.clear()
+        fixed = fp8_linear.w8_linear_triton(x, weight, scale, bias, bn, bk, splits=splits, config=cfg)
+        assert len(launches) == 1 and launches[0] is fp8_linear.w8_gemm_kernel
+        assert fixed.dtype == reduced.dtype and torch.equal(fixed, reduced)
+        assert not fp8_linear.split_tickets(x.device).any()
+    ref = block_fp8_linear_ref(x, weight, scale, bn, bk, bias)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(fixed.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_split_k_fixup_only_where_k_is_split_and_the_tiles_fit():
+    plan = fp8_linear.w8_plan(16, 3072, 2048, 128, 128, torch.bfloat16, True, False, None, W8(16, 32, 128, fill=0),
+                              None, 4, True)
+    assert plan.fixup and plan.meta["HAS_BIAS"] and plan.splits == 4
+    one = fp8_linear.w8_plan(16, 3072, 2048, 128, 128, torch.bfloat16, True, False, None, W8(16, 32, 128, fill=0),
+                             None, 1, True)
+    assert not one.fixup and one.meta["HAS_BIAS"]
+    off = fp8_linear.w8_plan(16, 3072, 2048, 128, 128, torch.bfloat16, True, False, None, W8(16, 32, 128, fill=0),
+                             None, 4, False)
+    assert not off.fixup and not off.meta["HAS_BIAS"]  # (the reduction adds it)
+    many = fp8_linear.w8_plan(16, 16 * (fp8_linear.SPLIT_TICKETS + 1), 256, 128, 128, torch.bfloat16, False, False,
+                              None, W8(16, 16, 128, fill=0), None, 2, True)
+    assert not many.fixup  # (more output tiles than one stream's tickets)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and streams")
+def test_split_k_fixup_in_cuda_graphs_and_on_two_streams(monkeypatch):
+    """Replays of a captured fix-up GEMM keep giving the reduction's bits (the tickets reset inside the graph), and
+    two fix-up GEMMs running at once on two streams each get their own tickets."""
+    monkeypatch.setenv("MLA_FUSER_SPLITK_FIXUP", "1")
+    x, weight, scale, bias = _fixup_case(16, 3072, 2048, (128, 128), True, torch.bfloat16)
+    x2, weight2, scale2, _ = _fixup_case(16, 2048, 2048, (128, 128), False, torch.bfloat16, seed=1)
+    cfg = W8(16, 32, 128, fill=0)
+    with monkeypatch.context() as off:
+        off.setenv("MLA_FUSER_SPLITK_FIXUP", "0")
+        want = fp8_linear.w8_linear_triton(x, weight, scale, bias, 128, 128, splits=8, config=cfg)
+        want2 = fp8_linear.w8_linear_triton(x2, weight2, scale2, None, 128, 128, splits=8, config=cfg)
+    side = torch.cuda.Stream()
+    for _ in range(2):  # warm-up (compiles, tickets of both streams made outside the capture)
+        fp8_linear.w8_linear_triton(x, weight, scale, bias, 128, 128, splits=8, config=cfg)
+        with torch.cuda.stream(side):
+            fp8_linear.w8_linear_triton(x2, weight2, scale2, None, 128, 128, splits=8, config=cfg)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        out = fp8_linear.w8_linear_triton(x, weight, scale, bias, 128, 128, splits=8, config=cfg)
+        with torch.cuda.stream(side):
+            out2 = fp8_linear.w8_linear_triton(x2, weight2, scale2, None, 128, 128, splits=8, config=cfg)
+        main.wait_stream(side)
+    for _ in range(20):
+        out.zero_()
+        out2.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(out2, want2)
+
+
 GEMV = fp8_linear.GEMVConfig
 
 

@@ -87,11 +87,28 @@ def test_linear_decode_gemv_compiles():
 def test_linear_weight_only_gemm_compiles(dot):
     from mla_fuser.kernels.fp8.triton_kernels import w8_gemm_kernel
 
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*fp32"}
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*fp32",
+                "final_ptr": "*bf16", "tickets_ptr": "*i32"}
     consts = dict(HAS_BIAS=False, EVEN_K=True, DOT=dot, UPCAST=False, IEEE=False, BLOCK_M=16 if dot else 4,
-                  BLOCK_N=32, BLOCK_K=128)
+                  BLOCK_N=32, BLOCK_K=128, FIXUP=False)
     ptx = _ptx(w8_gemm_kernel, pointers, consts, num_stages=3)
     assert (_count(ptx, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") > 0) == dot
+    assert "atom" not in ptx
+
+
+def test_linear_split_k_fixup_compiles():
+    """The split-K fix-up: a CTA barrier, then one acquire-release GPU-scope atomic add per program (the ticket),
+    the partials read back past L1 (``ld.global.cg``), the ticket reset with an exchange."""
+    from mla_fuser.kernels.fp8.triton_kernels import w8_gemm_kernel
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp32",
+                "final_ptr": "*bf16", "tickets_ptr": "*i32"}
+    consts = dict(HAS_BIAS=True, EVEN_K=True, DOT=True, UPCAST=False, IEEE=False, BLOCK_M=16, BLOCK_N=32,
+                  BLOCK_K=128, FIXUP=True)
+    ptx = _ptx(w8_gemm_kernel, pointers, consts, num_stages=3)
+    assert len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)) == 1, re.findall(r"atom\S*", ptx)
+    assert re.search(r"atom\.global\S*\.exch", ptx), re.findall(r"atom\S*", ptx)
+    assert re.search(r"ld\.global\.cg", ptx) and "bar.sync" in ptx
 
 
 @pytest.mark.parametrize("aligned", [False, True])

@@ -216,14 +216,39 @@ class W8Plan(NamedTuple):
     reduce_grid: tuple[int]
     meta: dict  # the kernel's constexprs and launch options
 
+    @property
+    def fixup(self) -> bool:
+        """The last split of each output tile reduces (no second launch)."""
+        return self.meta["FIXUP"]
+
+
+# output tiles one stream's split-K tickets cover (a split GEMM has at most fill x SMs of them, MAX_SPLITS aside)
+SPLIT_TICKETS = 4096
+_TICKETS: dict = {}
+
+
+def split_tickets(device: torch.device) -> torch.Tensor:
+    """The split-K fix-up's counters (``w8_gemm_kernel``'s ``FIXUP``) for the current stream of ``device``: int32
+    zeros, one per output tile, made once per (device, stream) and reused (each launch leaves them at 0).  Per stream
+    because two GEMMs running at once (a shared expert on a side stream) must not share counters; a stream runs its
+    launches one after another."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (device, stream)
+    tickets = _TICKETS.get(key)
+    if tickets is None:
+        tickets = _TICKETS[key] = torch.zeros(SPLIT_TICKETS, dtype=torch.int32, device=device)
+    return tickets
+
 
 @functools.lru_cache(maxsize=1024)
 def w8_plan(m: int, n: int, k: int, block_n: int, block_k: int, dtype: torch.dtype, has_bias: bool,
             interpreting: bool, device_index: int | None, config: W8Config | None = None,
-            tiles: tuple[int, int, int] | None = None, splits: int | None = None) -> W8Plan:
+            tiles: tuple[int, int, int] | None = None, splits: int | None = None, fixup: bool = False) -> W8Plan:
     """Everything a weight-only launch needs but its tensors, computed once per shape (a decode step's host work
     is one cache lookup).  ``config``/``tiles``/``splits`` override the table (tests, the benchmark's sweep);
-    ``device_index`` (None off CUDA) gives the SM count the split is sized by."""
+    ``device_index`` (None off CUDA) gives the SM count the split is sized by; ``fixup``: a split K is reduced by
+    each tile's last split (``w8_gemm_kernel``'s ``FIXUP``) instead of ``splitk_reduce_kernel``, where the tiles fit
+    ``SPLIT_TICKETS``."""
     qbk = block_k if block_n > 0 else _PER_TENSOR
     cfg = _resolved(W8_CONFIGS, m, n * k, qbk, config, tiles)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -236,8 +261,9 @@ def w8_plan(m: int, n: int, k: int, block_n: int, block_k: int, dtype: torch.dty
             splits = max(1, min(wanted, k_tiles // MIN_K_TILES_PER_SPLIT, MAX_SPLITS))
     k_per_split = cdiv(k_tiles, max(1, splits)) * bk
     splits = cdiv(k, k_per_split)  # (no split starts past K)
-    meta = dict(HAS_BIAS=has_bias and splits == 1, EVEN_K=k % bk == 0, DOT=cfg.dot, UPCAST=interpreting,
-                IEEE=dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    fixup = fixup and splits > 1 and grid_mn <= SPLIT_TICKETS
+    meta = dict(HAS_BIAS=has_bias and (splits == 1 or fixup), EVEN_K=k % bk == 0, DOT=cfg.dot, UPCAST=interpreting,
+                IEEE=dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FIXUP=fixup,
                 num_warps=cfg.warps, num_stages=cfg.stages)
     return W8Plan(cfg, splits, k_per_split, (cdiv(m, bm), cdiv(n, bn), splits), (cdiv(m * n, _REDUCE_BLOCK),), meta)
 
@@ -246,28 +272,29 @@ def w8_linear_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_
                      tiles: tuple[int, int, int] | None = None, config: W8Config | None = None,
                      warmup: bool = False) -> torch.Tensor:
     """Weight-only Triton GEMM on ``x2 [M, K]``: one kernel, plus the split-K reduction (which adds the bias and
-    casts) when K is split.  ``splits``/``tiles``/``config`` override the table (tests, benchmarks); ``warmup``
+    casts) when K is split, unless ``MLA_FUSER_SPLITK_FIXUP`` has the kernel's last split per tile do it.  ``splits``/``tiles``/``config`` override the table (tests, benchmarks); ``warmup``
     compiles without launching."""
     m, k = x2.shape
     n = weight.shape[0]
     if not (m and n and k):
         return block_fp8_linear_ref(x2, weight, scale, block_n, block_k, bias)
     plan = w8_plan(m, n, k, block_n, block_k, x2.dtype, bias is not None, triton_interpreting(),
-                   x2.device.index if x2.is_cuda else None, config, tiles, splits)
+                   x2.device.index if x2.is_cuda else None, config, tiles, splits, envs.splitk_fixup())
     qbn, qbk = (block_n, block_k) if block_n > 0 else (_PER_TENSOR, _PER_TENSOR)
     scale2 = scale.reshape(1, 1) if scale.ndim == 0 else scale
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     split = plan.splits > 1
     dest = torch.empty((plan.splits, m, n), dtype=torch.float32, device=x2.device) if split else out
+    tickets = split_tickets(x2.device) if plan.fixup else dest  # (unused pointer without the fix-up)
     _launcher(w8_gemm_kernel, plan.grid, warmup)(
-        x2, weight, scale2, bias if plan.meta["HAS_BIAS"] else scale2, dest,
+        x2, weight, scale2, bias if plan.meta["HAS_BIAS"] else scale2, dest, out, tickets,
         m, n, k, plan.k_per_split,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), scale2.stride(0), scale2.stride(1),
         m * n if split else 0, n,
         qbn, qbk,
         **plan.meta,
     )
-    if split:
+    if split and not plan.fixup:
         _launcher(splitk_reduce_kernel, plan.reduce_grid, warmup)(
             dest, bias if bias is not None else dest, out, m * n, n, plan.splits,
             HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK,

@@ -42,13 +42,20 @@ from ..dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, tl
 
 @LazyJit
 def w8_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
+    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, final_ptr, tickets_ptr,
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_os, stride_om,
     QBN, QBK,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FIXUP: tl.constexpr,
 ):
+    """``FIXUP`` (K split over ``grid[2]``): the split that finishes an output tile last adds the tile's partial sums
+    in split order, adds the bias and writes ``final_ptr`` (``splitk_reduce_kernel``'s sums, bit for bit), instead of
+    a second launch.  Each split stores its fp32 partial, waits for all its threads (a CTA barrier), then takes a
+    ticket from the tile's counter in ``tickets_ptr`` (an atomic add, acquire-release at GPU scope: the release
+    publishes the CTA's stores, as in a cooperative grid sync); the split that draws the last ticket reads the
+    partials past L1 (``.cg``) and sets the counter back to 0 for the next launch.  Counters start at 0 and belong
+    to one stream at a time (``linear.split_tickets``)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -79,10 +86,25 @@ def w8_gemm_kernel(
         else:
             part = tl.dot(x, tl.trans(w.to(x.dtype)))
         acc += part * scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + tl.minimum(cols, N - 1)).to(tl.float32)[None, :]
-    out = out_ptr + pid_s * stride_os + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    if FIXUP:
+        tile = rows[:, None] * stride_om + cols[None, :]
+        tl.store(out_ptr + pid_s * stride_os + tile, acc, mask=ok)
+        tl.debug_barrier()  # (every thread's partial stored before the ticket)
+        counter = tickets_ptr + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
+            total = tl.load(out_ptr + tile, mask=ok, other=0.0, cache_modifier=".cg")
+            for s in range(1, tl.num_programs(2)):
+                total += tl.load(out_ptr + s * stride_os + tile, mask=ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + tl.minimum(cols, N - 1)).to(tl.float32)[None, :]
+            tl.store(final_ptr + tile, total.to(final_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(counter, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + tl.minimum(cols, N - 1)).to(tl.float32)[None, :]
+        out = out_ptr + pid_s * stride_os + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @LazyJit
