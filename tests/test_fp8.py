@@ -112,8 +112,8 @@ def _fixup_case(m, n, k, block, with_bias, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["mma", "gemv4"])
 def test_split_k_fixup_equals_the_reduction(monkeypatch, m, n, k, block, splits, with_bias, dtype, variant):
-    """``MLA_FUSER_SPLITK_FIXUP``: each output tile's last split sums the partials in split order, so the result is
-    the reduction kernel's bit for bit, with one launch; the tickets are back at 0 after every call, so the next
+    """``MLA_FUSER_SPLITK_FIXUP`` (on by default): each output tile's last split sums the partials in split order, so
+    the result is the reduction kernel's (``MLA_FUSER_SPLITK_FIXUP=0``) bit for bit, with one launch; the tickets are back at 0 after every call, so the next
     call (and a replay) starts clean.  Compiled on a GPU, interpreted elsewhere."""
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -125,8 +125,9 @@ def test_split_k_fixup_equals_the_reduction(monkeypatch, m, n, k, block, splits,
     launches = []
     real = fp8_linear._launcher
     monkeypatch.setattr(fp8_linear, "_launcher", lambda kernel, *a: launches.append(kernel) or real(kernel, *a))
+    monkeypatch.setenv("MLA_FUSER_SPLITK_FIXUP", "0")
     reduced = fp8_linear.w8_linear_triton(x, weight, scale, bias, bn, bk, splits=splits, config=cfg)
-    assert len(launches) == 2
+    assert launches == [fp8_linear.w8_gemm_kernel, fp8_linear.splitk_reduce_kernel]
     monkeypatch.setenv("MLA_FUSER_SPLITK_FIXUP", "1")
     for _ in range(3):  # (the tickets reset themselves)
         launches.clear()

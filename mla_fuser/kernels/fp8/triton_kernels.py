@@ -7,9 +7,9 @@ its natural ``[BLOCK_N, BLOCK_K]`` layout (rows of ``W [N, K]`` are contiguous i
 a few tokens, multiplied and summed in fp32 on the CUDA cores (a GEMV: no MMA padding of one row to 16, no shared
 memory round trip).  The fp32 partial product is scaled per output row (``BLOCK_K`` divides the quantisation
 block's ``bk``, so one K tile lies in one scale column).  Split-K over ``grid[2]`` programs fills the GPU when
-``N`` alone gives few tiles; each split writes its fp32 partial sums to ``[SPLITS, M, N]`` and
-``splitk_reduce_kernel`` adds them in split order (deterministic, no atomics), adds the bias and casts: one extra
-small launch instead of torch's sum, add and cast.
+``N`` alone gives few tiles; each split writes its fp32 partial sums to ``[SPLITS, M, N]`` and the split that
+finishes a tile last adds them in split order, adds the bias and casts (``FIXUP``: deterministic, one atomic ticket
+per program), or, with ``MLA_FUSER_SPLITK_FIXUP=0``, ``splitk_reduce_kernel`` does the same in a second launch.
 
 ``w8_gemv_kernel`` (the decode path, up to ``linear.GEMV_MAX_TOKENS`` tokens): one launch per GEMM, the scales folded
 into the activations (see its docstring); it needs ``BLOCK_N`` to divide the quantisation block's ``bn``.
