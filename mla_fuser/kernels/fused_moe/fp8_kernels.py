@@ -1,5 +1,5 @@
 """The block-FP8 expert-grouped GEMM: ``moe_gemm_kernel`` (:mod:`.triton_kernels`) with e4m3 weights and per-expert
-block scales, weight-only; for decode (up to ``launch.GEMV_DOWN_MAX_TOKENS`` tokens) the bf16 op's two GEMVs run
+block scales, weight-only or (``ACT_QUANT``, from a few tokens: ``fp8_launch.choose_act_quant``) W8A8; for decode (up to ``launch.GEMV_DOWN_MAX_TOKENS`` tokens) the bf16 op's two GEMVs run
 instead, with ``SCALED`` (:mod:`.triton_kernels`: ``moe_up_gemv_kernel``, GEMM1 with the activation, and
 ``moe_down_gemv_kernel``, GEMM2 with the routing weights and the combine), two launches for the whole experts forward.
 
@@ -16,8 +16,9 @@ Everything else (aligned and small-batch grids, the pair compaction, the fused `
 weight in GEMM2's epilogue, rows written at their pair index) is the bf16 kernel's; see its docstring.  No biases
 (Transformers' FP8 experts have none).  Interpreter notes as in :mod:`.triton_kernels` and
 :mod:`..fp8.triton_kernels`: it loads e4m3 tiles and widens them correctly; its ``tl.dot`` multiplies bf16 bit
-patterns as integers, so ``UPCAST`` widens both operands to fp32 there.  Nothing here converts to e4m3, so the
-interpreter's fp32 -> e4m3 rounding bug does not apply.
+patterns as integers, so ``UPCAST`` widens both operands to fp32 there.  Its fp32 -> e4m3 conversion drops the carry
+when rounding crosses a power of two, so under ``UPCAST`` the W8A8 variant rounds to the e4m3 grid in fp32 instead
+(as ``fp8.triton_kernels.act_quant_kernel``'s ``ROUND_FIRST``) and multiplies in fp32.
 """
 
 from __future__ import annotations

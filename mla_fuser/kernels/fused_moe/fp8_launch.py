@@ -7,8 +7,10 @@ at decode sizes (``configs.default_fp8_config``), ``BLOCK_K`` capped by the quan
 column per K tile).  Up to ``GEMV_DOWN_MAX_TOKENS`` tokens the small path is two GEMV launches instead
 (the bf16 op's ``moe_up_gemv_kernel`` and ``moe_down_gemv_kernel`` with ``SCALED``: the block scales folded into
 the activations, no MMA padding of one token's row to 16, no combine launch) when row tiles of at least
-``GEMV_MIN_BLOCK_N`` fit the scale blocks (:func:`gemv_block_n`).  Not (yet) here: FP8 tensor cores with quantised
-activations for prefill (the block-FP8 linear's large-batch path).
+``GEMV_MIN_BLOCK_N`` fit the scale blocks (:func:`gemv_block_n`).  From ``FP8_ACT_QUANT_MIN_TOKENS`` to
+``FP8_ACT_QUANT_MAX_TOKENS`` tokens both GEMMs run W8A8 (:func:`choose_act_quant`: activations quantised in the
+kernel, FP8 tensor cores; ``configs.default_w8a8_config`` tiles).  Not (yet) here: W8A8 at prefill sizes, where it
+needs tiles of its own (untuned, it lost to the weight-only GEMMs at 512 tokens).
 
 CPU tensors (and autograd, and block sizes without a power-of-two divisor >= 16) run the torch reference
 :func:`~.fp8_reference.fused_experts_fp8_ref`; ``MLA_FUSER_BACKEND`` forces a backend (``dispatch.use_triton``).
