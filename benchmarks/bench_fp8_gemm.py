@@ -50,7 +50,8 @@ the best geometric mean (``fp8_gemv_sweep.json``: the source of ``linear.GEMVCon
 its own, per token count and layer size, for the shipped table). ``--experts-sweep`` times the experts' GEMM tiles
 (``EXPERTS_SWEEP``) on one path (``--experts-sweep-path``) at 8 and 16 tokens beside the other path's defaults
 (``fp8_experts_sweep_<path>.json``: the source of ``FP8_SMALL_BATCH_MAX_TOKENS`` and ``configs.default_fp8_config``);
-with ``--experts-sweep-act-quant`` the W8A8 GEMMs' tiles (``EXPERTS_W8A8_SWEEP``, at ``--experts-sweep-tokens``;
+with ``--experts-sweep-act-quant`` the W8A8 GEMMs' tiles (``EXPERTS_W8A8_SWEEP``, ``EXPERTS_W8A8_PREFILL_SWEEP`` above
+``FP8_ACT_QUANT_MAX_TOKENS``, at ``--experts-sweep-tokens``;
 ``fp8_experts_sweep_<path>_w8a8.json``: the source of ``configs.default_w8a8_config``).
 
 GPU: ``python benchmarks/bench_fp8_gemm.py --out benchmarks/results/fp8_gemm.json`` (a few minutes on an H200);
@@ -570,6 +571,10 @@ EXPERTS_SWEEP = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w
 EXPERTS_W8A8_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=w, num_stages=st)
                       for bm in (16, 32) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4, 6)
                       if bn >= 64 * w // 4]
+# ... and at prefill sizes (above fp8_launch.FP8_ACT_QUANT_MAX_TOKENS): more pairs per tile, grouped row tiles
+EXPERTS_W8A8_PREFILL_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=gm, num_warps=w, num_stages=st)
+                              for bm in (64, 128) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4)
+                              for gm in (8,) if bn >= 64 * w // 4]
 
 
 def run_experts_sweep(args, result, device, graph_ms, tokens):
@@ -579,9 +584,15 @@ def run_experts_sweep(args, result, device, graph_ms, tokens):
     import torch
     from mla_fuser.kernels.fused_moe import fused_experts_fp8_ref, fused_experts_fp8_triton
 
+    from mla_fuser.kernels.fused_moe.fp8_launch import FP8_ACT_QUANT_MAX_TOKENS
+
     act_quant = args.experts_sweep_act_quant
-    full = EXPERTS_W8A8_SWEEP if act_quant else EXPERTS_SWEEP
-    grid = [dict(c, BLOCK_K=16) for c in full[:2]] if args.dry_run else full
+
+    def tiles(t):
+        full = EXPERTS_SWEEP if not act_quant else (
+            EXPERTS_W8A8_PREFILL_SWEEP if t > FP8_ACT_QUANT_MAX_TOKENS else EXPERTS_W8A8_SWEEP)
+        return [dict(c, BLOCK_K=16) for c in full[:2]] if args.dry_run else full
+
     gen = torch.Generator(device=device).manual_seed(0)
     shape, _, _, (q1, s1, q2, s2), layout = expert_layer(args, device, gen)
     timer = graph_ms if device == "cuda" else (lambda fn, copies, calls, rep: 0.0)
@@ -592,7 +603,8 @@ def run_experts_sweep(args, result, device, graph_ms, tokens):
         ref = fused_experts_fp8_ref(x, q1, s1, q2, s2, *routes[0], **layout, act_quant=act_quant).float()
         swept = args.experts_sweep_path
         other = "aligned" if swept == "small" else "small"
-        runs = [(swept, cfg, {"gemm1": cfg, "gemm2": cfg}) for cfg in grid] + [(other, None, None), (swept, None, None)]
+        runs = [(swept, cfg, {"gemm1": cfg, "gemm2": cfg}) for cfg in tiles(t)] + [(other, None, None),
+                                                                                    (swept, None, None)]
         for path, cfg, conf in runs:
             fn = (lambda j, p=path, c=conf: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[j], **layout, path=p,
                                                                      config=c, act_quant=act_quant))
