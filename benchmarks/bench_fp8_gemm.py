@@ -651,6 +651,13 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                 variants["gemv"] = lambda i: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block)
             if has_tc:
                 variants["fp8_tc"] = lambda i: fp8_linear.fp8_linear_triton(x, *weights[i][:2], None, *block)
+            if has_tc and fp8_linear.GEMV_MAX_TOKENS < t < fp8_linear.FP8_TENSOR_CORE_MIN_TOKENS:
+                # the weight-only GEMM's W8A8 variant (activations quantised in the kernel; no table row asks for
+                # it yet): the weight-only table's tile for t tokens, at least 64 columns wide, K tiles of bk
+                wo = fp8_linear.table_config(fp8_linear.W8_CONFIGS, t, n * k)
+                w8a8 = wo._replace(block_n=max(64, wo.block_n), block_k=block[1], dot=True, act_quant=True)
+                variants["w8a8"] = lambda i, c=w8a8: fp8_linear.w8_linear_triton(x, *weights[i][:2], None, *block,
+                                                                                config=c)
             row = {"shape": name, "N": n, "K": k, "tokens": t, "auto_path": fp8_linear.choose_path(t, x, *block)}
             for label, fn in variants.items():
                 try:
@@ -669,7 +676,7 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                 except Exception as exc:  # record and go on: one run on the GPU must give every other number
                     row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                     traceback.print_exc()
-            for label in ("weight_only", "gemv", "fp8_tc", "auto"):
+            for label in ("weight_only", "gemv", "fp8_tc", "w8a8", "auto"):
                 for kind in ("", "eager_"):
                     if f"{label}_{kind}ms" in row and f"bf16_mm_{kind}ms" in row:
                         row[f"{label}_{kind}speedup_vs_bf16"] = row[f"bf16_mm_{kind}ms"] / row[f"{label}_{kind}ms"]

@@ -75,7 +75,8 @@ want fp8_decode && step 200 python3 benchmarks/bench_fp8_gemm.py --experts-sweep
 want fp8_decode && step 150 python3 benchmarks/profile_decode_step.py --fp8-weights --fp8-cache --shapes 1x512,16x4096 \
            --out "$out/profile_decode_step_fp8.json"
 # the FP8 experts' W8A8 GEMMs: one layer at 4-8192 tokens (W8A8 and weight-only side by side), their decode and
-# prefill tiles, the whole model's step with W8A8 and the split-K fix-up on and off
+# prefill tiles, the whole model's step with W8A8 and the split-K fix-up on and off; the linear's W8A8 variant
+# ("w8a8" in bench_fp8_gemm's default section, beside the weight-only GEMM)
 want fp8_w8a8 && step 150 python3 benchmarks/bench_fp8_gemm.py --experts --tokens 4,8,16,32,64,512,8192 \
            --out "$out/fp8_experts_w8a8.json"
 want fp8_w8a8 && step 300 python3 benchmarks/bench_fp8_gemm.py --experts-sweep --experts-sweep-path aligned \
@@ -83,6 +84,7 @@ want fp8_w8a8 && step 300 python3 benchmarks/bench_fp8_gemm.py --experts-sweep -
            --out "$out/fp8_experts_sweep_aligned_w8a8.json"
 want fp8_w8a8 && step 150 python3 benchmarks/profile_decode_step.py --fp8-weights --shapes 16x4096 \
            --ab-env MLA_FUSER_FP8_ACT_QUANT --out "$out/profile_decode_step_fp8_w8a8.json"
+want fp8_w8a8 && step 150 python3 benchmarks/bench_fp8_gemm.py --tokens 4,16,64 --out "$out/fp8_gemm_w8a8.json"
 want fp8_w8a8 && step 150 python3 benchmarks/profile_decode_step.py --fp8-weights --shapes 16x4096 \
            --ab-env MLA_FUSER_SPLITK_FIXUP --out "$out/profile_decode_step_fp8_splitk_fixup.json"
 # the MoE decode GEMVs' tiles: the full grid on V2-Lite, then its top tiles on V2-Lite and V3 shapes -> the table

@@ -140,6 +140,43 @@ def test_split_k_fixup_equals_the_reduction(monkeypatch, m, n, k, block, splits,
     assert torch.allclose(fixed.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("m,n,k,block", [(3, 100, 96, (32, 32)), (17, 64, 80, (64, 32)), (5, 128, 256, (128, 64))])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fixup", ["0", "1"])
+def test_weight_only_gemm_w8a8_variant_matches_its_reference(monkeypatch, m, n, k, block, splits, dtype, fixup):
+    """``W8Config(act_quant=True)``: activations quantised in the kernel per token and ``bk`` features, e4m3 products
+    on FP8 tensor cores, transposed; equal (to half-precision rounding) to ``block_fp8_linear_act_quant_ref`` and
+    measurably not the weight-only math, with K split or not (summed by the fix-up or the reduction), K not a
+    multiple of ``bk`` (80 = 2.5 groups of 32), rows past one tile (17), a bias.  Compiled on a GPU, interpreted
+    elsewhere."""
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_SPLITK_FIXUP", fixup)
+    gen = torch.Generator().manual_seed(m + n + k)
+    weight, scale = quantize_block_fp8(torch.randn(n, k, generator=gen), block)
+    x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 0, k)).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    cfg = W8(16, 64, block[1], warps=4, stages=2, fill=0, act_quant=True)
+    dev = [t.to(DEVICE) for t in (x, weight, scale, bias)]
+    out = fp8_linear.w8_linear_triton(*dev, *block, splits=splits, config=cfg).cpu()
+    ref = block_fp8_linear_act_quant_ref(x, weight, scale, *block, bias)
+    weight_only = block_fp8_linear_ref(x, weight, scale, *block, bias)
+    assert out.dtype == dtype and out.shape == (m, n)
+    scale_ref = ref.float().abs().max().item()
+    assert (out.float() - ref.float()).abs().max().item() <= 2e-2 * scale_ref
+    to_ref = (out.float() - ref.float()).abs().mean().item()
+    assert to_ref * 2 <= (out.float() - weight_only.float()).abs().mean().item()
+
+
+def test_weight_only_gemm_w8a8_variant_refuses_what_it_cannot_run():
+    cfg = W8(16, 64, 128, fill=0, act_quant=True)
+    for block_n, block_k, dtype in ((128, 128, torch.float32), (0, 0, torch.bfloat16), (16, 16, torch.bfloat16)):
+        with pytest.raises(ValueError, match="W8A8"):
+            fp8_linear.w8_plan(4, 64, 256, block_n, block_k, dtype, False, False, None,
+                               cfg._replace(block_k=block_k or 128))
+
+
 def test_split_k_fixup_only_where_k_is_split_and_the_tiles_fit():
     plan = fp8_linear.w8_plan(16, 3072, 2048, 128, 128, torch.bfloat16, True, False, None, W8(16, 32, 128, fill=0),
                               None, 4, True)

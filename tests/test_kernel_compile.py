@@ -90,7 +90,7 @@ def test_linear_weight_only_gemm_compiles(dot):
     pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*fp32",
                 "final_ptr": "*bf16", "tickets_ptr": "*i32"}
     consts = dict(HAS_BIAS=False, EVEN_K=True, DOT=dot, UPCAST=False, IEEE=False, BLOCK_M=16 if dot else 4,
-                  BLOCK_N=32, BLOCK_K=128, FIXUP=False)
+                  BLOCK_N=32, BLOCK_K=128, FIXUP=False, ACT_QUANT=False)
     ptx = _ptx(w8_gemm_kernel, pointers, consts, num_stages=3)
     assert (_count(ptx, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") > 0) == dot
     assert "atom" not in ptx
@@ -104,11 +104,27 @@ def test_linear_split_k_fixup_compiles():
     pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp32",
                 "final_ptr": "*bf16", "tickets_ptr": "*i32"}
     consts = dict(HAS_BIAS=True, EVEN_K=True, DOT=True, UPCAST=False, IEEE=False, BLOCK_M=16, BLOCK_N=32,
-                  BLOCK_K=128, FIXUP=True)
+                  BLOCK_K=128, FIXUP=True, ACT_QUANT=False)
     ptx = _ptx(w8_gemm_kernel, pointers, consts, num_stages=3)
     assert len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)) == 1, re.findall(r"atom\S*", ptx)
     assert re.search(r"atom\.global\S*\.exch", ptx), re.findall(r"atom\S*", ptx)
     assert re.search(r"ld\.global\.cg", ptx) and "bar.sync" in ptx
+
+
+@pytest.mark.parametrize("block_m,block_n,warps", [(16, 64, 4), (64, 128, 8)])
+def test_linear_w8a8_gemm_runs_on_fp8_tensor_cores(block_m, block_n, warps):
+    """The weight-only GEMM's W8A8 variant: FP8 ``wgmma`` with the weight rows as its 64-row side, activations
+    converted to e4m3, weights never widened."""
+    from mla_fuser.kernels.fp8.triton_kernels import w8_gemm_kernel
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp32",
+                "final_ptr": "*bf16", "tickets_ptr": "*i32"}
+    consts = dict(HAS_BIAS=True, EVEN_K=True, DOT=True, UPCAST=False, IEEE=False, BLOCK_M=block_m, BLOCK_N=block_n,
+                  BLOCK_K=128, FIXUP=True, ACT_QUANT=True)
+    ptx = _ptx(w8_gemm_kernel, pointers, consts, num_warps=warps, num_stages=3)
+    assert _count(ptx, f"wgmma.mma_async.sync.aligned.m64n{block_m}k32.f32.e4m3.e4m3") > 0
+    assert _count(ptx, "cvt.rn.satfinite.e4m3x2.f32") > 0
+    assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 0 and _count(ptx, "cvt.bf16.f16") == 0
 
 
 @pytest.mark.parametrize("aligned", [False, True])

@@ -119,7 +119,10 @@ class W8Config(NamedTuple):
     """A weight-only launch: ``block_m x block_n x block_k`` tiles (``block_k`` is capped to the largest power of
     two dividing the quantisation block's ``bk``), Triton's ``warps``/``stages``; split-K aims at ``fill``
     programs per SM when the output tiles alone give fewer (0: never split); ``dot``: tensor-core MMA on the
-    widened weights, else an fp32 multiply-and-sum (a GEMV, for ``block_m`` 1-4).  (fp16 dots on power-of-two-scaled
+    widened weights, else an fp32 multiply-and-sum (a GEMV, for ``block_m`` 1-4); ``act_quant``: W8A8 instead
+    (``w8_gemm_kernel``'s ``ACT_QUANT``: activations quantised in the kernel, FP8 tensor cores; ``block_k`` must be the
+    quantisation block's ``bk``, one of ``W8A8_GROUPS``, and ``block_n`` at least 64).  No table row asks for it yet:
+    it is not yet timed on a GPU (``bench_fp8_gemm.py``'s ``w8a8`` variant; ``gpu_suite.sh fp8_w8a8``).  (fp16 dots on power-of-two-scaled
     bf16 rows, which avoid widening e4m3 through fp16 to bf16, were slower on an H200 at 1-16 tokens on every shape
     measured, e.g. V3's MLP down 77 against 63 us: ``fp8_gemm_variants.json``.)"""
 
@@ -130,6 +133,7 @@ class W8Config(NamedTuple):
     stages: int = 4
     fill: int = 2
     dot: bool = True
+    act_quant: bool = False
 
 
 class TCConfig(NamedTuple):
@@ -174,6 +178,9 @@ class GEMVConfig(NamedTuple):
 
 
 GEMV_CONFIG = GEMVConfig()
+# quantisation blocks' ``bk`` the weight-only GEMM's W8A8 variant (``W8Config.act_quant``) takes: one K tile per
+# activation group, and FP8 MMAs take K >= 32
+W8A8_GROUPS = (32, 64, 128)
 # split-K: at most this many splits, each at least this many K tiles (a split shorter than the pipeline's depth
 # is mostly prologue)
 MAX_SPLITS, MIN_K_TILES_PER_SPLIT = 16, 2
@@ -262,9 +269,12 @@ def w8_plan(m: int, n: int, k: int, block_n: int, block_k: int, dtype: torch.dty
     k_per_split = cdiv(k_tiles, max(1, splits)) * bk
     splits = cdiv(k, k_per_split)  # (no split starts past K)
     fixup = fixup and splits > 1 and grid_mn <= SPLIT_TICKETS
+    if cfg.act_quant and not (block_n > 0 and bk == qbk and qbk in W8A8_GROUPS and dtype != torch.float32):
+        raise ValueError(f"W8A8 needs fp16/bf16 activations and a block-quantised weight whose bk ({block_k}) is "
+                         f"one of {W8A8_GROUPS} and the K tile ({bk})")
     meta = dict(HAS_BIAS=has_bias and (splits == 1 or fixup), EVEN_K=k % bk == 0, DOT=cfg.dot, UPCAST=interpreting,
                 IEEE=dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FIXUP=fixup,
-                num_warps=cfg.warps, num_stages=cfg.stages)
+                ACT_QUANT=cfg.act_quant, num_warps=cfg.warps, num_stages=cfg.stages)
     return W8Plan(cfg, splits, k_per_split, (cdiv(m, bm), cdiv(n, bn), splits), (cdiv(m * n, _REDUCE_BLOCK),), meta)
 
 

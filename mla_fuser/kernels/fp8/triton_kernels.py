@@ -48,8 +48,15 @@ def w8_gemm_kernel(
     QBN, QBK,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FIXUP: tl.constexpr,
+    ACT_QUANT: tl.constexpr,
 ):
-    """``FIXUP`` (K split over ``grid[2]``): the split that finishes an output tile last adds the tile's partial sums
+    """``ACT_QUANT`` (W8A8; ``BLOCK_K`` is the quantisation block's ``bk``): each ``[BLOCK_M, BLOCK_K]`` activation
+    tile is quantised in registers, one max-abs e4m3 scale per token and ``bk`` features (the tensor-core path's
+    groups, ``block_fp8_linear_act_quant_ref``), and the e4m3 weight tile goes to the FP8 tensor cores as loaded; the
+    product is computed transposed (``W_tile @ X_tile^T``, ``[BLOCK_N, BLOCK_M]``) so that weight rows fill the MMA's
+    64-row side and a few tokens its narrow side, as in ``fused_moe.fp8_kernels``.
+
+    ``FIXUP`` (K split over ``grid[2]``): the split that finishes an output tile last adds the tile's partial sums
     in split order, adds the bias and writes ``final_ptr`` (``splitk_reduce_kernel``'s sums, bit for bit), instead of
     a second launch.  Each split stores its fp32 partial, waits for all its threads (a CTA barrier), then takes a
     ticket from the tile's counter in ``tickets_ptr`` (an atomic add, acquire-release at GPU scope: the release
@@ -65,7 +72,10 @@ def w8_gemm_kernel(
     x_rows = x_ptr + rows[:, None] * stride_xm
     w_rows = w_ptr + tl.minimum(cols, N - 1)[:, None] * stride_wn
     s_rows = s_ptr + (tl.minimum(cols, N - 1) // QBN) * stride_sn
-    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    if ACT_QUANT:
+        acc = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
+    else:
+        acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     k_start = pid_s * K_PER_SPLIT
     for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -77,7 +87,19 @@ def w8_gemm_kernel(
             x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_ok & k_ok, other=0.0)
             w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=k_ok, other=0.0)
         scale = tl.load(s_rows + (k0 // QBK) * stride_sk)
-        if not DOT:
+        if ACT_QUANT:
+            xf = x.to(tl.float32)
+            # e4m3's largest value 448; a row of zeros keeps a finite scale (as ``fp8.quant``)
+            x_scale = tl.maximum(tl.reduce(tl.abs(xf), 1, MAX_COMBINE) / 448.0, 1e-12)
+            xq = xf / x_scale[:, None]  # (|xq| <= 448: no clamp)
+            if UPCAST:  # interpreter only: round to e4m3 in fp32 (as act_quant_kernel's ROUND_FIRST), fp32 dots
+                exponent = ((xq.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+                magic = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True) * 12582912.0
+                part_t = tl.dot(w.to(tl.float32), tl.trans((xq + magic) - magic), input_precision="ieee")
+            else:
+                part_t = tl.dot(w, tl.trans(xq.to(tl.float8e4nv)))
+            acc += part_t * (scale[:, None] * x_scale[None, :])
+        elif not DOT:
             part = tl.reduce(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2, SUM_COMBINE)
         elif UPCAST:
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -85,7 +107,10 @@ def w8_gemm_kernel(
             part = tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             part = tl.dot(x, tl.trans(w.to(x.dtype)))
-        acc += part * scale[None, :]
+        if not ACT_QUANT:
+            acc += part * scale[None, :]
+    if ACT_QUANT:
+        acc = tl.trans(acc)
     ok = (rows < M)[:, None] & (cols < N)[None, :]
     if FIXUP:
         tile = rows[:, None] * stride_om + cols[None, :]
