@@ -63,9 +63,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "`0` keeps block-FP8 layers weight-only at every batch size: activations are never quantised to e4m3 "
              "(the linear's tensor-core path from 128 tokens and the FP8 experts' W8A8 GEMMs from 5 tokens are "
              "off; slower, a little more accurate)"),
-    Variable("MLA_FUSER_SPLITK_FIXUP", "switch", True,
-             "`0` sums the block-FP8 weight-only GEMM's split-K partials in a second launch instead of in the last "
-             "split of each output tile (the same result either way; one launch fewer per split GEMM)"),
+    Variable("MLA_FUSER_SPLITK_FIXUP", "switch", False,
+             "`1` has the last split of each output tile of the block-FP8 weight-only GEMM sum the split-K partials "
+             "instead of a second launch (the same result; one launch fewer per split GEMM)"),
     Variable("TRITON_INTERPRET", "switch", False,
              "Triton's own flag: run Triton kernels in its interpreter (how the tests run them on CPU)"),
 )}

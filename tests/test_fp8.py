@@ -112,8 +112,8 @@ def _fixup_case(m, n, k, block, with_bias, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["mma", "gemv4"])
 def test_split_k_fixup_equals_the_reduction(monkeypatch, m, n, k, block, splits, with_bias, dtype, variant):
-    """``MLA_FUSER_SPLITK_FIXUP`` (on by default): each output tile's last split sums the partials in split order, so
-    the result is the reduction kernel's (``MLA_FUSER_SPLITK_FIXUP=0``) bit for bit, with one launch; the tickets are back at 0 after every call, so the next
+    """``MLA_FUSER_SPLITK_FIXUP=1``: each output tile's last split sums the partials in split order, so the result is
+    the reduction kernel's (``MLA_FUSER_SPLITK_FIXUP=0``, the default) bit for bit, with one launch; the tickets are back at 0 after every call, so the next
     call (and a replay) starts clean.  Compiled on a GPU, interpreted elsewhere."""
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -134,7 +134,7 @@ def test_split_k_fixup_equals_the_reduction(monkeypatch, m, n, k, block, splits,
         fixed = fp8_linear.w8_linear_triton(x, weight, scale, bias, bn, bk, splits=splits, config=cfg)
         assert len(launches) == 1 and launches[0] is fp8_linear.w8_gemm_kernel
         assert fixed.dtype == reduced.dtype and torch.equal(fixed, reduced)
-        assert not fp8_linear.split_tickets(x.device).any()
+        assert not fp8_linear.split_ticket_ring(x.device).any()
     ref = block_fp8_linear_ref(x, weight, scale, bn, bk, bias)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.allclose(fixed.float(), ref.float(), atol=tol, rtol=tol)
@@ -192,10 +192,73 @@ def test_split_k_fixup_only_where_k_is_split_and_the_tiles_fit():
     assert not many.fixup  # (more output tiles than one stream's tickets)
 
 
+def test_split_k_fixup_tickets_come_from_a_zeroed_ring_never_made_while_capturing(monkeypatch):
+    """Each fix-up GEMM takes the next slice of the device's ring (two GEMMs issued one after the other never share
+    counters); the ring is zeroed when made, and if the first fix-up GEMM on a device comes while a CUDA graph is
+    captured (its zeroing would only be recorded in that graph), the reduction runs instead."""
+    device = torch.device("cpu")
+    monkeypatch.setattr(fp8_linear, "_TICKETS", {})
+    monkeypatch.setattr(fp8_linear, "_NEXT_SLICE", {})
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_SPLITK_FIXUP", "1")
+    x, weight, scale, bias = [t.cpu() if t is not None else None for t in _fixup_case(3, 40, 72, (16, 32), True,
+                                                                                       torch.float32)]
+    launches = []
+    real = fp8_linear._launcher
+    monkeypatch.setattr(fp8_linear, "_launcher", lambda kernel, *a: launches.append(kernel) or real(kernel, *a))
+    with monkeypatch.context() as capture:
+        capture.setattr(fp8_linear, "_capturing", lambda device: True)
+        during = fp8_linear.w8_linear_triton(x, weight, scale, bias, 16, 32, splits=2, config=W8_VARIANTS["mma"])
+        assert launches == [fp8_linear.w8_gemm_kernel, fp8_linear.splitk_reduce_kernel]
+        assert fp8_linear.split_ticket_ring(device) is None
+    launches.clear()
+    after = fp8_linear.w8_linear_triton(x, weight, scale, bias, 16, 32, splits=2, config=W8_VARIANTS["mma"])
+    assert launches == [fp8_linear.w8_gemm_kernel] and torch.equal(during, after)
+    ring = fp8_linear.split_ticket_ring(device)
+    assert ring.shape == (fp8_linear.SPLIT_TICKET_SLICES, fp8_linear.SPLIT_TICKETS) and not ring.any()
+    first, second = fp8_linear.split_tickets(device), fp8_linear.split_tickets(device)  # (slices 1 and 2)
+    assert first.data_ptr() == ring[1].data_ptr() and second.data_ptr() == ring[2].data_ptr()
+    for _ in range(fp8_linear.SPLIT_TICKET_SLICES - 3):
+        fp8_linear.split_tickets(device)
+    assert fp8_linear.split_tickets(device).data_ptr() == ring[0].data_ptr()  # (the ring wraps)
+    with monkeypatch.context() as capture:  # made before the capture: the capture uses it
+        capture.setattr(fp8_linear, "_capturing", lambda device: True)
+        assert fp8_linear.split_tickets(device) is not None
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs")
+def test_split_k_fixup_in_graphs_captured_one_after_another(monkeypatch):
+    """Two graphs captured one after the other (each its own ring slices), replayed in either order with eager fix-up
+    GEMMs between them: always the reduction's bits."""
+    monkeypatch.setenv("MLA_FUSER_SPLITK_FIXUP", "1")
+    cfg = W8(16, 32, 128, fill=0)
+    cases = [_fixup_case(16, 3072, 2048, (128, 128), True, torch.bfloat16, seed=s) for s in (2, 3)]
+    with monkeypatch.context() as off:
+        off.setenv("MLA_FUSER_SPLITK_FIXUP", "0")
+        wants = [fp8_linear.w8_linear_triton(*c, 128, 128, splits=8, config=cfg) for c in cases]
+    for c in cases:  # (warm-up: compiles, makes the ring outside any capture)
+        fp8_linear.w8_linear_triton(*c, 128, 128, splits=8, config=cfg)
+    torch.cuda.synchronize()
+    graphs, outs = [], []
+    for c in cases:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(fp8_linear.w8_linear_triton(*c, 128, 128, splits=8, config=cfg))
+        graphs.append(graph)
+    for order in ((1, 0), (0, 1), (1, 1, 0)):
+        for i in order:
+            outs[i].zero_()
+            graphs[i].replay()
+            eager = fp8_linear.w8_linear_triton(*cases[1 - i], 128, 128, splits=8, config=cfg)
+            torch.cuda.synchronize()
+            assert torch.equal(outs[i], wants[i]) and torch.equal(eager, wants[1 - i])
+    assert not fp8_linear.split_ticket_ring(outs[0].device).any()
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and streams")
 def test_split_k_fixup_in_cuda_graphs_and_on_two_streams(monkeypatch):
     """Replays of a captured fix-up GEMM keep giving the reduction's bits (the tickets reset inside the graph), and
-    two fix-up GEMMs running at once on two streams each get their own tickets."""
+    two fix-up GEMMs running at once on two streams each get their own slice of tickets."""
     monkeypatch.setenv("MLA_FUSER_SPLITK_FIXUP", "1")
     x, weight, scale, bias = _fixup_case(16, 3072, 2048, (128, 128), True, torch.bfloat16)
     x2, weight2, scale2, _ = _fixup_case(16, 2048, 2048, (128, 128), False, torch.bfloat16, seed=1)
@@ -205,7 +268,7 @@ def test_split_k_fixup_in_cuda_graphs_and_on_two_streams(monkeypatch):
         want = fp8_linear.w8_linear_triton(x, weight, scale, bias, 128, 128, splits=8, config=cfg)
         want2 = fp8_linear.w8_linear_triton(x2, weight2, scale2, None, 128, 128, splits=8, config=cfg)
     side = torch.cuda.Stream()
-    for _ in range(2):  # warm-up (compiles, tickets of both streams made outside the capture)
+    for _ in range(2):  # warm-up (compiles, the ring made outside the capture)
         fp8_linear.w8_linear_triton(x, weight, scale, bias, 128, 128, splits=8, config=cfg)
         with torch.cuda.stream(side):
             fp8_linear.w8_linear_triton(x2, weight2, scale2, None, 128, 128, splits=8, config=cfg)

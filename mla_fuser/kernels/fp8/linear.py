@@ -15,8 +15,8 @@ Three Triton paths (:mod:`.triton_kernels`), chosen by the number of tokens:
 Launch configs (tiles, warps, stages, split-K, MMA or GEMV) come from two small tables keyed by token count,
 ``W8_CONFIGS`` and ``TC_CONFIGS`` (picked by ``benchmarks/bench_fp8_gemm.py --sweep``), and the one-token GEMV's
 ``GEMV_CONFIG`` (``--gemv-sweep``), resolved once per shape into a cached plan (``gemv_plan``, ``w8_plan``,
-``tc_plan``): a decode GEMM's host work is a cache lookup, its allocations and one launch (a split K is summed by the
-last split of each output tile, or by a second launch with ``MLA_FUSER_SPLITK_FIXUP=0``).
+``tc_plan``): a decode GEMM's host work is a cache lookup, its allocations and one launch (a split K is summed by a
+second launch, or with ``MLA_FUSER_SPLITK_FIXUP=1`` by the last split of each output tile).
 
 Torch references: ``block_fp8_linear_ref`` (weight-only, fp32 math: what a model whose FP8 weights were
 dequantised to fp32 computes) and ``block_fp8_linear_act_quant_ref`` (the FP8 path's math, activations quantised
@@ -229,22 +229,36 @@ class W8Plan(NamedTuple):
         return self.meta["FIXUP"]
 
 
-# output tiles one stream's split-K tickets cover (a split GEMM has at most fill x SMs of them, MAX_SPLITS aside)
-SPLIT_TICKETS = 4096
+# The split-K fix-up's counters: one int32 ring per device of SPLIT_TICKET_SLICES slices of SPLIT_TICKETS counters
+# (one per output tile: a split GEMM has at most fill x SMs tiles), zeroed when made and left at 0 by every launch.
+SPLIT_TICKETS, SPLIT_TICKET_SLICES = 1024, 1024
 _TICKETS: dict = {}
+_NEXT_SLICE: dict = {}
 
 
-def split_tickets(device: torch.device) -> torch.Tensor:
-    """The split-K fix-up's counters (``w8_gemm_kernel``'s ``FIXUP``) for the current stream of ``device``: int32
-    zeros, one per output tile, made once per (device, stream) and reused (each launch leaves them at 0).  Per stream
-    because two GEMMs running at once (a shared expert on a side stream) must not share counters; a stream runs its
-    launches one after another."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    key = (device, stream)
-    tickets = _TICKETS.get(key)
-    if tickets is None:
-        tickets = _TICKETS[key] = torch.zeros(SPLIT_TICKETS, dtype=torch.int32, device=device)
-    return tickets
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def split_tickets(device: torch.device) -> torch.Tensor | None:
+    """The counters one fix-up GEMM (``w8_gemm_kernel``'s ``FIXUP``) on ``device`` uses: the next slice of the
+    device's ring, so GEMMs issued one after the other never share counters, even on two streams at once (a shared
+    expert on a side stream), unless ``SPLIT_TICKET_SLICES`` calls lie between them.  The ring is zeroed when made,
+    which must not happen while a CUDA graph is captured (the zeroing would only be recorded in that graph, and
+    another graph or an eager call could read the memory first): then None, and the caller runs the reduction."""
+    ring = _TICKETS.get(device)
+    if ring is None:
+        if _capturing(device):
+            return None
+        ring = _TICKETS[device] = torch.zeros(SPLIT_TICKET_SLICES, SPLIT_TICKETS, dtype=torch.int32, device=device)
+    index = _NEXT_SLICE.get(device, 0)
+    _NEXT_SLICE[device] = (index + 1) % SPLIT_TICKET_SLICES
+    return ring[index]
+
+
+def split_ticket_ring(device: torch.device) -> torch.Tensor | None:
+    """The device's whole ring of fix-up counters (None before the first fix-up GEMM): all 0 between launches."""
+    return _TICKETS.get(device)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -255,7 +269,7 @@ def w8_plan(m: int, n: int, k: int, block_n: int, block_k: int, dtype: torch.dty
     is one cache lookup).  ``config``/``tiles``/``splits`` override the table (tests, the benchmark's sweep);
     ``device_index`` (None off CUDA) gives the SM count the split is sized by; ``fixup``: a split K is reduced by
     each tile's last split (``w8_gemm_kernel``'s ``FIXUP``) instead of ``splitk_reduce_kernel``, where the tiles fit
-    ``SPLIT_TICKETS``."""
+    one slice of ``split_tickets``."""
     qbk = block_k if block_n > 0 else _PER_TENSOR
     cfg = _resolved(W8_CONFIGS, m, n * k, qbk, config, tiles)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -282,9 +296,10 @@ def w8_linear_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_
                      tiles: tuple[int, int, int] | None = None, config: W8Config | None = None,
                      warmup: bool = False) -> torch.Tensor:
     """Weight-only Triton GEMM on ``x2 [M, K]``: one kernel, plus the split-K reduction (which adds the bias and
-    casts) when K is split and ``MLA_FUSER_SPLITK_FIXUP`` is off (on by default, the kernel's last split per output
-    tile does it: ``w8_gemm_kernel``'s ``FIXUP``; the same bits, one launch: H200, V2-Lite-shaped model at B=16
-    L=4096, step replay 6.18 against 6.22 ms, ``profile_decode_step_fp8_splitk_fixup.json``).  ``splits``/``tiles``/``config`` override the table (tests, benchmarks); ``warmup``
+    casts) when K is split, unless ``MLA_FUSER_SPLITK_FIXUP=1`` has the kernel's last split per output tile do it
+    (``w8_gemm_kernel``'s ``FIXUP``; the same bits, one launch: H200, V2-Lite-shaped model at B=16 L=4096, step
+    replay 6.18 against 6.22 ms, ``profile_decode_step_fp8_splitk_fixup.json``; off until a GPU runs the ring of
+    counters, ``split_tickets``).  ``splits``/``tiles``/``config`` override the table (tests, benchmarks); ``warmup``
     compiles without launching."""
     m, k = x2.shape
     n = weight.shape[0]
@@ -297,7 +312,12 @@ def w8_linear_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     split = plan.splits > 1
     dest = torch.empty((plan.splits, m, n), dtype=torch.float32, device=x2.device) if split else out
-    tickets = split_tickets(x2.device) if plan.fixup else dest  # (unused pointer without the fix-up)
+    tickets = split_tickets(x2.device) if plan.fixup else None
+    if plan.fixup and tickets is None:  # (no counters yet, and none can be made while capturing: the reduction)
+        plan = w8_plan(m, n, k, block_n, block_k, x2.dtype, bias is not None, triton_interpreting(),
+                       x2.device.index if x2.is_cuda else None, config, tiles, splits, False)
+    if tickets is None:
+        tickets = dest  # (an unused pointer)
     _launcher(w8_gemm_kernel, plan.grid, warmup)(
         x2, weight, scale2, bias if plan.meta["HAS_BIAS"] else scale2, dest, out, tickets,
         m, n, k, plan.k_per_split,

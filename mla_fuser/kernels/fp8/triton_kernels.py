@@ -8,8 +8,8 @@ a few tokens, multiplied and summed in fp32 on the CUDA cores (a GEMV: no MMA pa
 memory round trip).  The fp32 partial product is scaled per output row (``BLOCK_K`` divides the quantisation
 block's ``bk``, so one K tile lies in one scale column).  Split-K over ``grid[2]`` programs fills the GPU when
 ``N`` alone gives few tiles; each split writes its fp32 partial sums to ``[SPLITS, M, N]`` and the split that
-finishes a tile last adds them in split order, adds the bias and casts (``FIXUP``: deterministic, one atomic ticket
-per program), or, with ``MLA_FUSER_SPLITK_FIXUP=0``, ``splitk_reduce_kernel`` does the same in a second launch.
+finishes a tile last adds them in split order, adds the bias and casts (``FIXUP``, ``MLA_FUSER_SPLITK_FIXUP=1``:
+deterministic, one atomic ticket per program), or ``splitk_reduce_kernel`` does the same in a second launch.
 
 ``w8_gemv_kernel`` (the decode path, up to ``linear.GEMV_MAX_TOKENS`` tokens): one launch per GEMM, the scales folded
 into the activations (see its docstring); it needs ``BLOCK_N`` to divide the quantisation block's ``bn``.
@@ -61,8 +61,8 @@ def w8_gemm_kernel(
     a second launch.  Each split stores its fp32 partial, waits for all its threads (a CTA barrier), then takes a
     ticket from the tile's counter in ``tickets_ptr`` (an atomic add, acquire-release at GPU scope: the release
     publishes the CTA's stores, as in a cooperative grid sync); the split that draws the last ticket reads the
-    partials past L1 (``.cg``) and sets the counter back to 0 for the next launch.  Counters start at 0 and belong
-    to one stream at a time (``linear.split_tickets``)."""
+    partials past L1 (``.cg``) and sets the counter back to 0 for the next launch.  Counters start at 0 and no two
+    launches in flight share them (``linear.split_tickets``)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
