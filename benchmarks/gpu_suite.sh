@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_suite.sh tests graph     # only the named steps
 # Steps: tests kernel moe moe_layer ssm model graph generate profile host mamba, and (not in the default set: run
 # them by name) serving modes fp8 fp8_sweeps host_generate fp8_experts fp8_tests step_kernels splits split_rows beam
-# tune host_gpu serving_http serving_ab fp8_decode tune_gemv fp8_w8a8.  Each has its own time limit so
+# tune host_gpu serving_http serving_ab fp8_decode tune_gemv fp8_w8a8 fp8_w8a8_tiles.  Each has its own time limit so
 # one slow step cannot eat the others.
 set -u
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -74,15 +74,16 @@ want fp8_decode && step 200 python3 benchmarks/bench_fp8_gemm.py --experts-sweep
            --out "$out/fp8_experts_sweep_aligned.json"
 want fp8_decode && step 150 python3 benchmarks/profile_decode_step.py --fp8-weights --fp8-cache --shapes 1x512,16x4096 \
            --out "$out/profile_decode_step_fp8.json"
-# the FP8 experts' W8A8 GEMMs: one layer at 4-8192 tokens (W8A8 and weight-only side by side), their decode and
-# prefill tiles, the whole model's step with W8A8 and the split-K fix-up on and off; the linear's W8A8 variant
+# the FP8 experts' W8A8 GEMMs: one layer at 4-8192 tokens (W8A8 and weight-only side by side), the whole model's
+# step with W8A8 and the split-K fix-up on and off, and (fp8_w8a8_tiles, a call of its own) their decode and prefill
+# tiles; the linear's W8A8 variant
 # ("w8a8" in bench_fp8_gemm's default section, beside the weight-only GEMM); first their compiled tests (the fix-up's
 # graph and stream tests among them: MLA_FUSER_SPLITK_FIXUP stays off until they pass on a GPU)
 want fp8_w8a8 && step 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_experts.py \
            -k "fixup or w8a8"
 want fp8_w8a8 && step 150 python3 benchmarks/bench_fp8_gemm.py --experts --tokens 4,8,16,32,64,512,8192 \
            --out "$out/fp8_experts_w8a8.json"
-want fp8_w8a8 && step 300 python3 benchmarks/bench_fp8_gemm.py --experts-sweep --experts-sweep-path aligned \
+want fp8_w8a8_tiles && step 420 python3 benchmarks/bench_fp8_gemm.py --experts-sweep --experts-sweep-path aligned \
            --experts-sweep-act-quant --experts-sweep-tokens 16,64,512,8192 --sweep-rep 20 \
            --out "$out/fp8_experts_sweep_aligned_w8a8.json"
 want fp8_w8a8 && step 150 python3 benchmarks/profile_decode_step.py --fp8-weights --shapes 16x4096 \
