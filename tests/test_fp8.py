@@ -430,6 +430,11 @@ def test_dispatch_takes_the_tensor_core_path_with_default_tiles(monkeypatch):
     out = mla_fuser.kernels.fp8.block_fp8_linear(x, weight, scale, (16, 64), bias)
     ref = block_fp8_linear_act_quant_ref(x, weight, scale, 16, 64, bias)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-5), (out - ref).abs().max()
+    # MLA_FUSER_FP8_ACT_QUANT=0: weight-only at every size, the weight-only reference's result
+    monkeypatch.setenv("MLA_FUSER_FP8_ACT_QUANT", "0")
+    assert fp8_linear.choose_path(x.shape[0], x, 16, 64) == fp8_linear.WEIGHT_ONLY
+    out = mla_fuser.kernels.fp8.block_fp8_linear(x, weight, scale, (16, 64), bias)
+    assert torch.allclose(out, block_fp8_linear_ref(x, weight, scale, 16, 64, bias), atol=1e-4, rtol=1e-5)
 
 
 def test_dispatch_runs_triton_when_forced(monkeypatch):
