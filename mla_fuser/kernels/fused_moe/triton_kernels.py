@@ -309,10 +309,10 @@ def moe_down_gemv_kernel(
 
     ``SCALED``: block-FP8 down stacks (e4m3 ``w``, fp32 scales ``s[e, n // QBN, k // QBK]``).  ``BLOCK_N`` divides
     ``QBN`` (the launcher's business), so a tile's rows share one scale row, the scales vary along K only and are
-    folded into ``h`` with the routing weight; e4m3 widens exactly to fp32.  Widening costs one ``cvt.f32.f16`` per
-    weight (after one ``cvt.rn.f16x2.e4m3x2`` per two), at a sixteenth of the FMA rate on sm_90: that, not the bytes,
-    bounds this GEMV.  (fp16 tensor-core dots on power-of-two-scaled rows avoid it but were 3x slower on an H200:
-    ``fp8_experts_variants.json``.)"""
+    folded into ``h`` with the routing weight; e4m3 widens exactly to fp32 (one ``cvt.f32.f16`` per weight after one
+    ``cvt.rn.f16x2.e4m3x2`` per two).  Widening without those conversions was slower on an H200, whether by fp16
+    tensor-core dots on power-of-two-scaled rows (3x, ``fp8_experts_variants.json``) or by integer ops (1.4-1.6x,
+    ``fp8_experts_int.json``): the conversions are not what bounds this GEMV."""
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
