@@ -208,6 +208,7 @@ def test_split_k_fixup_tickets_come_from_a_zeroed_ring_never_made_while_capturin
     monkeypatch.setattr(fp8_linear, "_launcher", lambda kernel, *a: launches.append(kernel) or real(kernel, *a))
     with monkeypatch.context() as capture:
         capture.setattr(fp8_linear, "_capturing", lambda device: True)
+        assert not fp8_linear.split_tickets_ready(device)
         during = fp8_linear.w8_linear_triton(x, weight, scale, bias, 16, 32, splits=2, config=W8_VARIANTS["mma"])
         assert launches == [fp8_linear.w8_gemm_kernel, fp8_linear.splitk_reduce_kernel]
         assert fp8_linear.split_ticket_ring(device) is None
@@ -223,7 +224,7 @@ def test_split_k_fixup_tickets_come_from_a_zeroed_ring_never_made_while_capturin
     assert fp8_linear.split_tickets(device).data_ptr() == ring[0].data_ptr()  # (the ring wraps)
     with monkeypatch.context() as capture:  # made before the capture: the capture uses it
         capture.setattr(fp8_linear, "_capturing", lambda device: True)
-        assert fp8_linear.split_tickets(device) is not None
+        assert fp8_linear.split_tickets_ready(device)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs")

@@ -240,16 +240,20 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def split_tickets(device: torch.device) -> torch.Tensor | None:
+def split_tickets_ready(device: torch.device) -> bool:
+    """A fix-up GEMM can get counters on ``device`` now: its ring exists, or can be made (not while a CUDA graph is
+    captured: the zeroing would only be recorded in that graph, and another graph or an eager call could read the
+    memory first; the reduction runs instead)."""
+    return device in _TICKETS or not _capturing(device)
+
+
+def split_tickets(device: torch.device) -> torch.Tensor:
     """The counters one fix-up GEMM (``w8_gemm_kernel``'s ``FIXUP``) on ``device`` uses: the next slice of the
     device's ring, so GEMMs issued one after the other never share counters, even on two streams at once (a shared
-    expert on a side stream), unless ``SPLIT_TICKET_SLICES`` calls lie between them.  The ring is zeroed when made,
-    which must not happen while a CUDA graph is captured (the zeroing would only be recorded in that graph, and
-    another graph or an eager call could read the memory first): then None, and the caller runs the reduction."""
+    expert on a side stream), unless ``SPLIT_TICKET_SLICES`` calls lie between them.  The ring is zeroed when made;
+    callers ask :func:`split_tickets_ready` first."""
     ring = _TICKETS.get(device)
     if ring is None:
-        if _capturing(device):
-            return None
         ring = _TICKETS[device] = torch.zeros(SPLIT_TICKET_SLICES, SPLIT_TICKETS, dtype=torch.int32, device=device)
     index = _NEXT_SLICE.get(device, 0)
     _NEXT_SLICE[device] = (index + 1) % SPLIT_TICKET_SLICES
@@ -305,19 +309,15 @@ def w8_linear_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_
     n = weight.shape[0]
     if not (m and n and k):
         return block_fp8_linear_ref(x2, weight, scale, block_n, block_k, bias)
+    fixup = envs.splitk_fixup() and split_tickets_ready(x2.device)
     plan = w8_plan(m, n, k, block_n, block_k, x2.dtype, bias is not None, triton_interpreting(),
-                   x2.device.index if x2.is_cuda else None, config, tiles, splits, envs.splitk_fixup())
+                   x2.device.index if x2.is_cuda else None, config, tiles, splits, fixup)
     qbn, qbk = (block_n, block_k) if block_n > 0 else (_PER_TENSOR, _PER_TENSOR)
     scale2 = scale.reshape(1, 1) if scale.ndim == 0 else scale
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     split = plan.splits > 1
     dest = torch.empty((plan.splits, m, n), dtype=torch.float32, device=x2.device) if split else out
-    tickets = split_tickets(x2.device) if plan.fixup else None
-    if plan.fixup and tickets is None:  # (no counters yet, and none can be made while capturing: the reduction)
-        plan = w8_plan(m, n, k, block_n, block_k, x2.dtype, bias is not None, triton_interpreting(),
-                       x2.device.index if x2.is_cuda else None, config, tiles, splits, False)
-    if tickets is None:
-        tickets = dest  # (an unused pointer)
+    tickets = split_tickets(x2.device) if plan.fixup else dest  # (an unused pointer without the fix-up)
     _launcher(w8_gemm_kernel, plan.grid, warmup)(
         x2, weight, scale2, bias if plan.meta["HAS_BIAS"] else scale2, dest, out, tickets,
         m, n, k, plan.k_per_split,

@@ -112,8 +112,8 @@ def w8_gemm_kernel(
     if ACT_QUANT:
         acc = tl.trans(acc)
     ok = (rows < M)[:, None] & (cols < N)[None, :]
+    tile = rows[:, None] * stride_om + cols[None, :]
     if FIXUP:
-        tile = rows[:, None] * stride_om + cols[None, :]
         tl.store(out_ptr + pid_s * stride_os + tile, acc, mask=ok)
         tl.debug_barrier()  # (every thread's partial stored before the ticket)
         counter = tickets_ptr + pid_m * tl.num_programs(1) + pid_n
@@ -128,8 +128,7 @@ def w8_gemm_kernel(
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + tl.minimum(cols, N - 1)).to(tl.float32)[None, :]
-        out = out_ptr + pid_s * stride_os + rows[:, None] * stride_om + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + pid_s * stride_os + tile, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @LazyJit
