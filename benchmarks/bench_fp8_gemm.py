@@ -51,7 +51,7 @@ its own, per token count and layer size, for the shipped table). ``--experts-swe
 (``EXPERTS_SWEEP``) on one path (``--experts-sweep-path``) at 8 and 16 tokens beside the other path's defaults
 (``fp8_experts_sweep_<path>.json``: the source of ``FP8_SMALL_BATCH_MAX_TOKENS`` and ``configs.default_fp8_config``);
 with ``--experts-sweep-act-quant`` the W8A8 GEMMs' tiles (``EXPERTS_W8A8_SWEEP``, ``EXPERTS_W8A8_PREFILL_SWEEP`` above
-``FP8_ACT_QUANT_MAX_TOKENS``, at ``--experts-sweep-tokens``;
+32 pairs per expert, where ``configs.default_w8a8_config`` switches to its prefill tile), at ``--experts-sweep-tokens``;
 ``fp8_experts_sweep_<path>_w8a8.json``: the source of ``configs.default_w8a8_config``).
 
 GPU: ``python benchmarks/bench_fp8_gemm.py --out benchmarks/results/fp8_gemm.json`` (a few minutes on an H200);
@@ -79,7 +79,9 @@ SHAPES = {  # name: (N, K)
     "v3.o_proj": (7168, 16384), "v3.mlp.gate_up": (36864, 7168), "v3.mlp.down": (7168, 18432),
 }
 TINY_SHAPES = {"tiny.a": (40, 128), "tiny.b": (96, 64)}
-EXTRA_SHAPES = {"v2lite.shared.gate_up": (5632, 2048), "v2lite.shared.down": (2048, 2816)}  # 2 shared experts
+# V2-Lite's two shared experts, and its q_proj stacked with kv_a_proj (the fused attention's one GEMM); --shapes only
+EXTRA_SHAPES = {"v2lite.shared.gate_up": (5632, 2048), "v2lite.shared.down": (2048, 2816),
+                "v2lite.q+kv_a": (3648, 2048)}
 SWEEP_SHAPES = ("v2lite.q_proj", "v2lite.kv_a_proj", "v3.mlp.gate_up", "v3.mlp.down")
 MAX_CALLS_PER_GRAPH = 20
 GRAPH_TARGET_MS = 2.0  # calls per graph: enough for about this much GPU time (replay launch cost amortised)
@@ -571,7 +573,8 @@ EXPERTS_SWEEP = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w
 EXPERTS_W8A8_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=w, num_stages=st)
                       for bm in (16, 32) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4, 6)
                       if bn >= 64 * w // 4]
-# ... and at prefill sizes (above fp8_launch.FP8_ACT_QUANT_MAX_TOKENS): more pairs per tile, grouped row tiles
+# ... and at prefill sizes (above 32 pairs per expert, as configs.default_w8a8_config): more pairs per tile, grouped
+# row tiles
 EXPERTS_W8A8_PREFILL_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=gm, num_warps=w, num_stages=st)
                               for bm in (64, 128) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4)
                               for gm in (8,) if bn >= 64 * w // 4]
@@ -584,13 +587,12 @@ def run_experts_sweep(args, result, device, graph_ms, tokens):
     import torch
     from mla_fuser.kernels.fused_moe import fused_experts_fp8_ref, fused_experts_fp8_triton
 
-    from mla_fuser.kernels.fused_moe.fp8_launch import FP8_ACT_QUANT_MAX_TOKENS
-
     act_quant = args.experts_sweep_act_quant
+    layer = TINY_EXPERTS if args.dry_run else EXPERTS
 
     def tiles(t):
-        full = EXPERTS_SWEEP if not act_quant else (
-            EXPERTS_W8A8_PREFILL_SWEEP if t > FP8_ACT_QUANT_MAX_TOKENS else EXPERTS_W8A8_SWEEP)
+        prefill = t * layer["topk"] / layer["num_experts"] > 32
+        full = EXPERTS_SWEEP if not act_quant else (EXPERTS_W8A8_PREFILL_SWEEP if prefill else EXPERTS_W8A8_SWEEP)
         return [dict(c, BLOCK_K=16) for c in full[:2]] if args.dry_run else full
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -651,14 +653,14 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                 variants["gemv"] = lambda i: fp8_linear.w8_gemv_triton(x, *weights[i][:2], None, *block)
             if has_tc:
                 variants["fp8_tc"] = lambda i: fp8_linear.fp8_linear_triton(x, *weights[i][:2], None, *block)
-            if has_tc and fp8_linear.GEMV_MAX_TOKENS < t < fp8_linear.FP8_TENSOR_CORE_MIN_TOKENS:
+            if has_tc and t < fp8_linear.FP8_TENSOR_CORE_MIN_TOKENS:
                 # the weight-only GEMM's W8A8 variant (activations quantised in the kernel; no table row asks for
                 # it yet): the weight-only table's tile for t tokens, at least 64 columns wide, K tiles of bk
                 wo = fp8_linear.table_config(fp8_linear.W8_CONFIGS, t, n * k)
                 w8a8 = wo._replace(block_n=max(64, wo.block_n), block_k=block[1], dot=True, act_quant=True)
                 variants["w8a8"] = lambda i, c=w8a8: fp8_linear.w8_linear_triton(x, *weights[i][:2], None, *block,
                                                                                 config=c)
-            row = {"shape": name, "N": n, "K": k, "tokens": t, "auto_path": fp8_linear.choose_path(t, x, *block)}
+            row = {"shape": name, "N": n, "K": k, "tokens": t, "auto_path": fp8_linear.choose_path(t, x, n, k, *block)}
             for label, fn in variants.items():
                 try:
                     out = fn(0).float()
@@ -707,7 +709,7 @@ def main(argv=None):
     tokens = [1, 3] if args.dry_run else [int(t) for t in args.tokens.split(",")]
     shapes = TINY_SHAPES if args.dry_run else SHAPES
     if args.shapes:
-        shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")}
+        shapes = {k: v for k, v in {**shapes, **EXTRA_SHAPES}.items() if k in args.shapes.split(",")}
     block = (32, 64) if args.dry_run else (128, 128)
     eager_ms, graph_ms = make_timers(args, device)
 

@@ -61,11 +61,11 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "straight through the kernel Triton compiled for the call's specialisation (less host time per launch)"),
     Variable("MLA_FUSER_FP8_ACT_QUANT", "switch", True,
              "`0` keeps block-FP8 layers weight-only at every batch size: activations are never quantised to e4m3 "
-             "(the linear's tensor-core path from 128 tokens and the FP8 experts' W8A8 GEMMs from 5 tokens are "
-             "off; slower, a little more accurate)"),
-    Variable("MLA_FUSER_SPLITK_FIXUP", "switch", False,
-             "`1` has the last split of each output tile of the block-FP8 weight-only GEMM sum the split-K partials "
-             "instead of a second launch (the same result; one launch fewer per split GEMM)"),
+             "(the linear's W8A8 and tensor-core paths and the FP8 experts' W8A8 GEMMs from 3 tokens are off; slower, "
+             "a little more accurate)"),
+    Variable("MLA_FUSER_SPLITK_FIXUP", "switch", True,
+             "`0` sums the split-K partials of the block-FP8 split-K GEMM in a second launch instead of in the last "
+             "split of each output tile (the same result; one launch more per split GEMM)"),
     Variable("TRITON_INTERPRET", "switch", False,
              "Triton's own flag: run Triton kernels in its interpreter (how the tests run them on CPU)"),
 )}

@@ -113,8 +113,8 @@ def _fixup_case(m, n, k, block, with_bias, dtype, seed=0):
 @pytest.mark.parametrize("variant", ["mma", "gemv4"])
 def test_split_k_fixup_equals_the_reduction(monkeypatch, m, n, k, block, splits, with_bias, dtype, variant):
     """``MLA_FUSER_SPLITK_FIXUP=1``: each output tile's last split sums the partials in split order, so the result is
-    the reduction kernel's (``MLA_FUSER_SPLITK_FIXUP=0``, the default) bit for bit, with one launch; the tickets are back at 0 after every call, so the next
-    call (and a replay) starts clean.  Compiled on a GPU, interpreted elsewhere."""
+    the reduction kernel's (``MLA_FUSER_SPLITK_FIXUP=0``) bit for bit, with one launch; the tickets are back at 0
+    after every call, so the next call (and a replay) starts clean.  Compiled on a GPU, interpreted elsewhere."""
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     if dtype == torch.bfloat16 and not ON_GPU and variant == "mma":
@@ -427,15 +427,81 @@ def test_dispatch_takes_the_tensor_core_path_with_default_tiles(monkeypatch):
     gen = torch.Generator().manual_seed(5)
     weight, scale = quantize_block_fp8(torch.randn(24, 128, generator=gen), (16, 64))
     x, bias = torch.randn(fp8_linear.FP8_TENSOR_CORE_MIN_TOKENS + 3, 128, generator=gen), torch.randn(24, generator=gen)
-    assert fp8_linear.choose_path(x.shape[0], x, 16, 64) == fp8_linear.TENSOR_CORE
+    assert fp8_linear.choose_path(x.shape[0], x, 24, 128, 16, 64) == fp8_linear.TENSOR_CORE
     out = mla_fuser.kernels.fp8.block_fp8_linear(x, weight, scale, (16, 64), bias)
     ref = block_fp8_linear_act_quant_ref(x, weight, scale, 16, 64, bias)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-5), (out - ref).abs().max()
     # MLA_FUSER_FP8_ACT_QUANT=0: weight-only at every size, the weight-only reference's result
     monkeypatch.setenv("MLA_FUSER_FP8_ACT_QUANT", "0")
-    assert fp8_linear.choose_path(x.shape[0], x, 16, 64) == fp8_linear.WEIGHT_ONLY
+    assert fp8_linear.choose_path(x.shape[0], x, 24, 128, 16, 64) == fp8_linear.WEIGHT_ONLY
     out = mla_fuser.kernels.fp8.block_fp8_linear(x, weight, scale, (16, 64), bias)
     assert torch.allclose(out, block_fp8_linear_ref(x, weight, scale, 16, 64, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_path_choice_by_tokens_weight_shape_dtype_and_switch(monkeypatch):
+    """W8A8 below the tensor cores' sizes for fp16/bf16 activations, 32/64/128-wide K blocks, at least
+    W8A8_MIN_K_TILES K tiles and, up to 16 tokens, large weights (W8A8_MIN_WEIGHT; at one token else the GEMV);
+    from TENSOR_CORE_WIDE_MIN_TOKENS the tensor cores where their output tiles fill the SMs; weight-only where W8A8
+    cannot run, and everywhere with MLA_FUSER_FP8_ACT_QUANT=0."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (stands in for FP8 tensor cores)
+    L = fp8_linear
+    bf16, fp32 = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(1, 8)
+    big = (36864, 7168)  # V3 MLP gate_up: 2**25 elements and more
+    middle = (2112, 7168)  # V3 q_a + kv_a: 2**23 to 2**24
+    small = (3648, 2048)  # V2-Lite q_proj + kv_a_proj
+    assert L.W8A8_MIN_WEIGHT == ((1, 1 << 25), (16, 1 << 24))
+    assert L.choose_path(1, bf16, *small, 128, 128) == L.GEMV
+    assert L.choose_path(1, bf16, *middle, 128, 128) == L.GEMV
+    assert L.choose_path(1, bf16, *big, 128, 128) == L.W8A8
+    assert L.choose_path(1, fp32, *big, 128, 128) == L.GEMV
+    for tokens in (2, 16):
+        assert L.choose_path(tokens, bf16, *big, 128, 128) == L.W8A8
+        assert L.choose_path(tokens, bf16, 4096, 4096, 128, 128) == L.W8A8  # 2**24
+        assert L.choose_path(tokens, bf16, *small, 128, 128) == L.WEIGHT_ONLY
+        assert L.choose_path(tokens, bf16, *middle, 128, 128) == L.WEIGHT_ONLY
+    for tokens in (17, L.TENSOR_CORE_WIDE_MIN_TOKENS - 1):
+        assert L.choose_path(tokens, bf16, *small, 128, 128) == L.W8A8
+        assert L.choose_path(tokens, bf16.half(), *small, 64, 64) == L.W8A8
+        assert L.choose_path(tokens, fp32, *small, 128, 128) == L.WEIGHT_ONLY
+        assert L.choose_path(tokens, bf16, *small, 128, 96) == L.WEIGHT_ONLY  # bk not a W8A8 group
+        assert L.choose_path(tokens, bf16, *small, 0, 0) == L.WEIGHT_ONLY  # per-tensor scale
+        assert L.choose_path(tokens, bf16, 32768, 512, 128, 128) == L.WEIGHT_ONLY  # 4 K tiles
+    # (on a CPU the SM count is 0: every tile grid fills it)
+    assert L.choose_path(L.TENSOR_CORE_WIDE_MIN_TOKENS, bf16, *small, 128, 128) == L.TENSOR_CORE
+    assert L._path(64, 36864, 7168, 128, 128, True, True, 132) == L.TENSOR_CORE  # 576 tiles of 64 x 64
+    assert L._path(64, 7168, 18432, 128, 128, True, True, 132) == L.W8A8  # 112 tiles
+    assert L._path(64, 7168, 18432, 128, 128, True, False, 132) == L.WEIGHT_ONLY  # (fp32 activations)
+    assert L._path(L.FP8_TENSOR_CORE_MIN_TOKENS, 7168, 18432, 128, 128, True, False, 132) == L.TENSOR_CORE
+    monkeypatch.setenv("MLA_FUSER_FP8_ACT_QUANT", "0")
+    assert L.choose_path(1, bf16, *big, 128, 128) == L.GEMV
+    assert L.choose_path(16, bf16, *big, 128, 128) == L.WEIGHT_ONLY
+    assert L.choose_path(32, bf16, *small, 128, 128) == L.WEIGHT_ONLY
+    assert L.choose_path(L.FP8_TENSOR_CORE_MIN_TOKENS, bf16, *small, 128, 128) == L.WEIGHT_ONLY
+
+
+def test_dispatch_runs_the_w8a8_gemm_below_the_tensor_core_sizes(monkeypatch):
+    """bf16 activations at a decode batch size: the split-K GEMM's W8A8 variant with the W8A8 table's tiles, its
+    result the activation-quantised reference's (to bf16 rounding), not the weight-only one."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(6)
+    block = (32, 32)
+    k = block[1] * fp8_linear.W8A8_MIN_K_TILES
+    weight, scale = quantize_block_fp8(torch.randn(96, k, generator=gen), block)
+    x = (torch.randn(17, k, generator=gen) * torch.linspace(0.1, 8, k)).to(torch.bfloat16)  # (no weight bound)
+    bias = torch.randn(96, generator=gen).to(torch.bfloat16)
+    calls = []
+    real = fp8_linear.w8_linear_triton
+    monkeypatch.setattr(fp8_linear, "w8_linear_triton", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    out = mla_fuser.kernels.fp8.block_fp8_linear(x, weight, scale, block, bias)
+    assert calls == [{"act_quant": True}]
+    assert fp8_linear.w8_plan(17, 96, k, *block, torch.bfloat16, True, True, None, act_quant=True).config == \
+        fp8_linear.W8A8_CONFIGS[1][2]._replace(block_k=32)
+    ref = block_fp8_linear_act_quant_ref(x.float(), weight, scale, *block, bias.float())
+    weight_only = block_fp8_linear_ref(x.float(), weight, scale, *block, bias.float())
+    to_ref, to_weight_only = (out.float() - ref).abs().mean(), (out.float() - weight_only).abs().mean()
+    assert torch.allclose(out.float(), ref, atol=2e-2, rtol=1e-2), (out.float() - ref).abs().max()
+    assert to_ref * 2 <= to_weight_only, (to_ref, to_weight_only)
 
 
 def test_dispatch_runs_triton_when_forced(monkeypatch):

@@ -52,6 +52,11 @@ def test_readme_lists_every_variable():
     table = table[: table.index("\n## ")]
     listed = set(re.findall(r"^\| `([A-Z0-9_]+)", table, flags=re.M))
     assert listed == set(envs.VARIABLES)
+    # each switch's default column says what envs.py defaults to
+    defaults = dict(re.findall(r"^\| `([A-Z0-9_]+)`.*\| (\S+) \|$", table, flags=re.M))
+    for name, var in envs.VARIABLES.items():
+        if var.kind == "switch":
+            assert defaults[name] == ("on" if var.default else "off"), name
 
 
 def test_mamba_needs_a_newer_transformers_and_the_report_says_so(monkeypatch):

@@ -1,19 +1,26 @@
 """``block_fp8_linear``: ``y = x @ dequant(W)^T + b`` for a block-FP8 weight, on our own kernels (no Hub download).
 
-Three Triton paths (:mod:`.triton_kernels`), chosen by the number of tokens:
+Four Triton paths (:mod:`.triton_kernels`), chosen by :func:`choose_path` from the number of tokens and the weight's
+shape:
 
 * up to ``GEMV_MAX_TOKENS`` tokens (decode), the **GEMV**: weight-only, one launch for the whole of K, the block scales
   folded into the activations (``w8_gemv_kernel``; it needs a power-of-two tile of at least ``GEMV_MIN_BLOCK_N``
   rows dividing the quantisation block's ``bn``, else the next path runs);
-* up to ``FP8_TENSOR_CORE_MIN_TOKENS - 1`` tokens, **weight-only**: activations stay in their dtype, weights are
-  widened in the kernel.  Decode GEMMs are bound by reading the weights, which FP8 halves; keeping activations
-  unquantised also makes this path the more accurate one;
-* from ``FP8_TENSOR_CORE_MIN_TOKENS`` tokens, on GPUs with FP8 tensor cores (compute capability >= 8.9), **FP8
-  tensor cores** with the activations quantised per token and ``bk`` features (dynamic scaling), where the GEMM
-  is compute-bound and FP8 doubles the tensor-core rate.
+* below ``FP8_TENSOR_CORE_MIN_TOKENS`` tokens, **W8A8**: the split-K GEMM with each activation tile quantised in
+  registers per token and ``bk`` features and the e4m3 weight tile fed to FP8 tensor cores as loaded
+  (``w8_gemm_kernel``'s ``ACT_QUANT``), on GPUs with FP8 tensor cores (compute capability >= 8.9), fp16/bf16
+  activations, ``bk`` in ``W8A8_GROUPS``, at least ``W8A8_MIN_K_TILES`` K tiles and, at few tokens, weights large
+  enough to gain (``W8A8_MIN_WEIGHT``; at one token it reads large weights faster than the GEMV);
+* where W8A8 cannot run, **weight-only**: activations stay in their dtype, weights are widened in the kernel (the
+  more accurate path: no activation rounding);
+* from ``FP8_TENSOR_CORE_MIN_TOKENS`` tokens (from ``TENSOR_CORE_WIDE_MIN_TOKENS`` where its output tiles alone fill
+  the SMs), on GPUs with FP8 tensor cores, the **FP8 tensor-core GEMM** on activations quantised per token and
+  ``bk`` features by a launch of their own (dynamic scaling), where the GEMM is compute-bound.
 
-Launch configs (tiles, warps, stages, split-K, MMA or GEMV) come from two small tables keyed by token count,
-``W8_CONFIGS`` and ``TC_CONFIGS`` (picked by ``benchmarks/bench_fp8_gemm.py --sweep``), and the one-token GEMV's
+``MLA_FUSER_FP8_ACT_QUANT=0`` (read per call) keeps the weight-only paths at every size.
+
+Launch configs (tiles, warps, stages, split-K, MMA or GEMV) come from small tables keyed by token count,
+``W8_CONFIGS``, ``W8A8_CONFIGS`` and ``TC_CONFIGS`` (picked by ``benchmarks/bench_fp8_gemm.py``), and the one-token GEMV's
 ``GEMV_CONFIG`` (``--gemv-sweep``), resolved once per shape into a cached plan (``gemv_plan``, ``w8_plan``,
 ``tc_plan``): a decode GEMM's host work is a cache lookup, its allocations and one launch (a split K is summed by a
 second launch, or with ``MLA_FUSER_SPLITK_FIXUP=1`` by the last split of each output tile).
@@ -46,8 +53,25 @@ FP8_TENSOR_CORE_MIN_TOKENS = 128
 # V3 down 132 vs 63: the weight re-read from HBM where it outgrows L2)
 GEMV_MAX_TOKENS = 1
 GEMV_MIN_BLOCK_N = 4
-GEMV, WEIGHT_ONLY, TENSOR_CORE = "gemv", "weight_only", "fp8_tensor_core"
+# W8A8 against the weight-only paths on an H200 (``bench_fp8_gemm.py``, CUDA-graph timing, V2-Lite and V3 shapes at
+# 1-64 tokens; ``fp8_gemm_w8a8.json``, ``fp8_gemm_w8a8_small.json``, ``fp8_gemm_auto_w8a8.json``): at 2-16 tokens it
+# beat the weight-only GEMM on V3's large weights (MLP down 40 vs 63 us, o_proj 36 vs 56, gate_up 72 vs 100: 75-87%
+# of the copy bandwidth) but not on V2-Lite's small ones (q+kv_a 8.9 vs 8.3 us, shared down 8.6 vs 7.8 at 16
+# tokens; the V2-Lite-shaped model's linears took 1.03 against 0.96 ms of its 16x4096 step), so below 2**24 weight
+# elements they stay weight-only; from 17 tokens it won on every shape (32 tokens: q+kv_a 11.1 vs 12.2, V3 down 70
+# vs 85).  With 4 K tiles (V3 kv_b_proj, K 512) it lost, 11.1 vs 9.7 us.  At one token it beat the GEMV from 2**25
+# elements on (V3 q_b_proj 15 vs 19 us, V2-Lite's dense MLP gate_up 17.1 vs 17.8, V3 MLP down about even) and lost
+# below (V3 q_a+kv_a, 15M: 12.0 vs 9.2; V2-Lite q+kv_a 8.7 vs 5.3).  From 64 tokens the tensor-core GEMM (no
+# split-K) won where its 64x64 output tiles alone fill the SMs (V3 gate_up 96 vs 137 us, q_b_proj 17 vs 34;
+# narrower: V3 down 111 vs 82).
+W8A8_MIN_K_TILES = 8
+# ``(max tokens, min N*K)``: up to that many tokens W8A8 takes weights of at least that many elements; above the last
+# row, any
+W8A8_MIN_WEIGHT = ((GEMV_MAX_TOKENS, 1 << 25), (16, 1 << 24))
+TENSOR_CORE_WIDE_MIN_TOKENS = 64
+GEMV, WEIGHT_ONLY, W8A8, TENSOR_CORE = "gemv", "weight_only", "w8a8", "fp8_tensor_core"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+W8A8_DTYPES = (torch.bfloat16, torch.float16)
 _PER_TENSOR = 1 << 30  # "block" size that puts every element in block 0 (a per-tensor scale)
 _TINY_SCALE = 1e-12
 
@@ -80,10 +104,15 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=8)
+def _has_fp8_mma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
 def has_fp8_tensor_cores(x: torch.Tensor) -> bool:
     """``x``'s GPU multiplies e4m3 on its tensor cores (compute capability >= 8.9); the interpreter stands in."""
     if x.is_cuda:
-        return torch.cuda.get_device_capability(x.device) >= (8, 9)
+        return _has_fp8_mma(x.device.index if x.device.index is not None else torch.cuda.current_device())
     return triton_interpreting()
 
 
@@ -95,15 +124,29 @@ def gemv_block_n(block_n: int, wanted: int) -> int:
     return tile if tile >= GEMV_MIN_BLOCK_N else 0
 
 
-def choose_path(tokens: int, x: torch.Tensor, block_n: int, block_k: int) -> str:
-    """The GEMV for decode-sized calls (when its row tile fits the scale blocks); weight-only for few tokens; FP8
-    tensor cores for many, when the weight is block-quantised in K blocks the kernel's 64/128-wide K tiles divide,
-    the GPU has FP8 tensor cores and ``MLA_FUSER_FP8_ACT_QUANT`` (read per call) is not off."""
-    if tokens <= GEMV_MAX_TOKENS and gemv_block_n(block_n, GEMV_CONFIG.block_n):
+def choose_path(tokens: int, x: torch.Tensor, n: int, k: int, block_n: int, block_k: int) -> str:
+    """The path of one call of ``tokens`` rows of ``x`` on an ``[n, k]`` weight (see the module's docstring); the
+    FP8 paths need FP8 tensor cores and ``MLA_FUSER_FP8_ACT_QUANT`` (read per call) not off."""
+    fp8_mma = envs.fp8_act_quant() and has_fp8_tensor_cores(x)
+    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 0
+    return _path(tokens, n, k, block_n, block_k, fp8_mma, fp8_mma and x.dtype in W8A8_DTYPES, sms)
+
+
+@functools.lru_cache(maxsize=4096)
+def _path(tokens: int, n: int, k: int, block_n: int, block_k: int, fp8_mma: bool, w8a8_dtype: bool, sms: int) -> str:
+    min_weight = next((elems for max_tokens, elems in W8A8_MIN_WEIGHT if tokens <= max_tokens), 0)
+    w8a8 = (w8a8_dtype and block_n > 0 and block_k in W8A8_GROUPS and cdiv(k, block_k) >= W8A8_MIN_K_TILES
+            and n * k >= min_weight)
+    if tokens <= GEMV_MAX_TOKENS and gemv_block_n(block_n, GEMV_CONFIG.block_n) and not w8a8:
         return GEMV
-    if tokens < FP8_TENSOR_CORE_MIN_TOKENS or block_n <= 0 or block_k % 64 != 0:
-        return WEIGHT_ONLY
-    return TENSOR_CORE if envs.fp8_act_quant() and has_fp8_tensor_cores(x) else WEIGHT_ONLY
+    if fp8_mma and block_n > 0 and block_k % 64 == 0:
+        if tokens >= FP8_TENSOR_CORE_MIN_TOKENS:
+            return TENSOR_CORE
+        if tokens >= TENSOR_CORE_WIDE_MIN_TOKENS:
+            tile = table_config(TC_CONFIGS, tokens, n * k)
+            if cdiv(tokens, tile.block_m) * cdiv(n, tile.block_n) >= max(1, sms):
+                return TENSOR_CORE
+    return W8A8 if w8a8 else WEIGHT_ONLY
 
 
 def triton_supported(x: torch.Tensor, block_n: int, block_k: int) -> bool:
@@ -121,8 +164,7 @@ class W8Config(NamedTuple):
     programs per SM when the output tiles alone give fewer (0: never split); ``dot``: tensor-core MMA on the
     widened weights, else an fp32 multiply-and-sum (a GEMV, for ``block_m`` 1-4); ``act_quant``: W8A8 instead
     (``w8_gemm_kernel``'s ``ACT_QUANT``: activations quantised in the kernel, FP8 tensor cores; ``block_k`` must be the
-    quantisation block's ``bk``, one of ``W8A8_GROUPS``, and ``block_n`` at least 64).  No table row asks for it yet:
-    it is not yet timed on a GPU (``bench_fp8_gemm.py``'s ``w8a8`` variant; ``gpu_suite.sh fp8_w8a8``).  (fp16 dots on power-of-two-scaled
+    quantisation block's ``bk``, one of ``W8A8_GROUPS``, and ``block_n`` at least 64; ``W8A8_CONFIGS``).  (fp16 dots on power-of-two-scaled
     bf16 rows, which avoid widening e4m3 through fp16 to bf16, were slower on an H200 at 1-16 tokens on every shape
     measured, e.g. V3's MLP down 77 against 63 us: ``fp8_gemm_variants.json``.)"""
 
@@ -157,6 +199,12 @@ class TCConfig(NamedTuple):
 W8_CONFIGS: tuple[tuple[int | None, int | None, W8Config], ...] = (
     (16, None, W8Config(16, 32, 128, warps=4, stages=3, fill=4)),
     (None, None, W8Config(64, 128, 128, warps=4, stages=3, fill=4)),
+)
+# W8A8: the weight-only rows' tiles, 64 columns wide at least (``wgmma``'s M side: the product is computed transposed,
+# weight rows by tokens) and K tiles of the quantisation block's ``bk`` (as timed: ``fp8_gemm_w8a8*.json``)
+W8A8_CONFIGS: tuple[tuple[int | None, int | None, W8Config], ...] = (
+    (16, None, W8Config(16, 64, 128, warps=4, stages=3, fill=4, act_quant=True)),
+    (None, None, W8Config(64, 128, 128, warps=4, stages=3, fill=4, act_quant=True)),
 )
 TC_CONFIGS: tuple[tuple[int | None, int | None, TCConfig], ...] = (
     (64, None, TCConfig(64, 64, 128, group_m=8, warps=4, stages=4)),
@@ -268,14 +316,16 @@ def split_ticket_ring(device: torch.device) -> torch.Tensor | None:
 @functools.lru_cache(maxsize=1024)
 def w8_plan(m: int, n: int, k: int, block_n: int, block_k: int, dtype: torch.dtype, has_bias: bool,
             interpreting: bool, device_index: int | None, config: W8Config | None = None,
-            tiles: tuple[int, int, int] | None = None, splits: int | None = None, fixup: bool = False) -> W8Plan:
+            tiles: tuple[int, int, int] | None = None, splits: int | None = None, fixup: bool = False,
+            act_quant: bool = False) -> W8Plan:
     """Everything a weight-only launch needs but its tensors, computed once per shape (a decode step's host work
-    is one cache lookup).  ``config``/``tiles``/``splits`` override the table (tests, the benchmark's sweep);
+    is one cache lookup); ``act_quant``: the W8A8 variant's table (``W8A8_CONFIGS``).  ``config``/``tiles``/``splits``
+    override the table (tests, the benchmark's sweep);
     ``device_index`` (None off CUDA) gives the SM count the split is sized by; ``fixup``: a split K is reduced by
     each tile's last split (``w8_gemm_kernel``'s ``FIXUP``) instead of ``splitk_reduce_kernel``, where the tiles fit
     one slice of ``split_tickets``."""
     qbk = block_k if block_n > 0 else _PER_TENSOR
-    cfg = _resolved(W8_CONFIGS, m, n * k, qbk, config, tiles)
+    cfg = _resolved(W8A8_CONFIGS if act_quant else W8_CONFIGS, m, n * k, qbk, config, tiles)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     k_tiles = cdiv(k, bk)
     grid_mn = cdiv(m, bm) * cdiv(n, bn)
@@ -298,20 +348,20 @@ def w8_plan(m: int, n: int, k: int, block_n: int, block_k: int, dtype: torch.dty
 
 def w8_linear_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_k: int, splits: int | None = None,
                      tiles: tuple[int, int, int] | None = None, config: W8Config | None = None,
-                     warmup: bool = False) -> torch.Tensor:
-    """Weight-only Triton GEMM on ``x2 [M, K]``: one kernel, plus the split-K reduction (which adds the bias and
-    casts) when K is split, unless ``MLA_FUSER_SPLITK_FIXUP=1`` has the kernel's last split per output tile do it
-    (``w8_gemm_kernel``'s ``FIXUP``; the same bits, one launch: H200, V2-Lite-shaped model at B=16 L=4096, step
-    replay 6.18 against 6.22 ms, ``profile_decode_step_fp8_splitk_fixup.json``; off until a GPU runs the ring of
-    counters, ``split_tickets``).  ``splits``/``tiles``/``config`` override the table (tests, benchmarks); ``warmup``
-    compiles without launching."""
+                     warmup: bool = False, act_quant: bool = False) -> torch.Tensor:
+    """Weight-only Triton GEMM on ``x2 [M, K]`` (with ``act_quant``, its W8A8 variant's table): one kernel, plus the
+    split-K reduction (which adds the bias and casts) when K is split, unless ``MLA_FUSER_SPLITK_FIXUP`` (on by
+    default) has the kernel's last split per output tile do it (``w8_gemm_kernel``'s ``FIXUP``; the same bits, one
+    launch: H200, V2-Lite-shaped model at B=16 L=4096, step replay 6.17 against 6.20 ms and 760 against 869 launches,
+    ``profile_decode_step_fp8_splitk_fixup.json``).  ``splits``/``tiles``/``config`` override the table (tests,
+    benchmarks); ``warmup`` compiles without launching."""
     m, k = x2.shape
     n = weight.shape[0]
     if not (m and n and k):
         return block_fp8_linear_ref(x2, weight, scale, block_n, block_k, bias)
     fixup = envs.splitk_fixup() and split_tickets_ready(x2.device)
     plan = w8_plan(m, n, k, block_n, block_k, x2.dtype, bias is not None, triton_interpreting(),
-                   x2.device.index if x2.is_cuda else None, config, tiles, splits, fixup)
+                   x2.device.index if x2.is_cuda else None, config, tiles, splits, fixup, act_quant)
     qbn, qbk = (block_n, block_k) if block_n > 0 else (_PER_TENSOR, _PER_TENSOR)
     scale2 = scale.reshape(1, 1) if scale.ndim == 0 else scale
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
@@ -448,13 +498,13 @@ def _linear_impl(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    path = choose_path(x2.shape[0], x, block_n, block_k)
+    path = choose_path(x2.shape[0], x, weight.shape[0], weight.shape[1], block_n, block_k)
     if path == GEMV:
         out = w8_gemv_triton(x2, weight, scale, bias, block_n, block_k)
     elif path == TENSOR_CORE:
         out = fp8_linear_triton(x2, weight, scale, bias, block_n, block_k)
     else:
-        out = w8_linear_triton(x2, weight, scale, bias, block_n, block_k)
+        out = w8_linear_triton(x2, weight, scale, bias, block_n, block_k, act_quant=path == W8A8)
     return out.view(shape)
 
 
