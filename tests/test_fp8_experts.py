@@ -156,16 +156,19 @@ def test_w8a8_gemms_match_their_reference(monkeypatch, path, dtype, hidden, inte
 
 
 def test_w8a8_is_chosen_by_tokens_dtype_blocks_and_switch(monkeypatch):
-    """Auto: W8A8 from FP8_ACT_QUANT_MIN_TOKENS to FP8_ACT_QUANT_MAX_TOKENS tokens on fp16/bf16 activations with 32/64/128-wide K blocks and FP8
-    tensor cores (the interpreter stands in), never with ``MLA_FUSER_FP8_ACT_QUANT=0``; forcing it where it cannot
-    run is an error, not a silent fallback."""
+    """Auto: W8A8 from FP8_ACT_QUANT_MIN_TOKENS tokens (up to FP8_ACT_QUANT_MAX_TOKENS where one is set) on fp16/bf16
+    activations with 32/64/128-wide K blocks and FP8 tensor cores (the interpreter stands in), never with
+    ``MLA_FUSER_FP8_ACT_QUANT=0``; forcing it where it cannot run is an error, not a silent fallback."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     many = fp8_launch.FP8_ACT_QUANT_MIN_TOKENS
     bf16 = torch.zeros(1, 8, dtype=torch.bfloat16)
     assert fp8_launch.choose_act_quant(bf16, many, (128, 128), (128, 128))
     assert not fp8_launch.choose_act_quant(bf16, many - 1, (128, 128), (128, 128))
-    assert fp8_launch.choose_act_quant(bf16, fp8_launch.FP8_ACT_QUANT_MAX_TOKENS, (128, 128), (128, 128))
-    assert not fp8_launch.choose_act_quant(bf16, fp8_launch.FP8_ACT_QUANT_MAX_TOKENS + 1, (128, 128), (128, 128))
+    assert fp8_launch.choose_act_quant(bf16, 8192, (128, 128), (128, 128))  # prefill sizes too
+    monkeypatch.setattr(fp8_launch, "FP8_ACT_QUANT_MAX_TOKENS", 64)
+    assert fp8_launch.choose_act_quant(bf16, 64, (128, 128), (128, 128))
+    assert not fp8_launch.choose_act_quant(bf16, 65, (128, 128), (128, 128))
+    monkeypatch.setattr(fp8_launch, "FP8_ACT_QUANT_MAX_TOKENS", None)
     assert not fp8_launch.choose_act_quant(bf16.float(), many, (128, 128), (128, 128))
     assert not fp8_launch.choose_act_quant(bf16, many, (128, 128), (128, 16))
     monkeypatch.setenv("MLA_FUSER_FP8_ACT_QUANT", "0")

@@ -8,9 +8,8 @@ column per K tile).  Up to ``GEMV_DOWN_MAX_TOKENS`` tokens the small path is two
 (the bf16 op's ``moe_up_gemv_kernel`` and ``moe_down_gemv_kernel`` with ``SCALED``: the block scales folded into
 the activations, no MMA padding of one token's row to 16, no combine launch) when row tiles of at least
 ``GEMV_MIN_BLOCK_N`` fit the scale blocks (:func:`gemv_block_n`).  From ``FP8_ACT_QUANT_MIN_TOKENS`` to
-``FP8_ACT_QUANT_MAX_TOKENS`` tokens both GEMMs run W8A8 (:func:`choose_act_quant`: activations quantised in the
-kernel, FP8 tensor cores; ``configs.default_w8a8_config`` tiles).  Not (yet) here: W8A8 at prefill sizes, where it
-needs tiles of its own (untuned, it lost to the weight-only GEMMs at 512 tokens).
+``FP8_ACT_QUANT_MAX_TOKENS`` (None: no bound) tokens both GEMMs run W8A8 (:func:`choose_act_quant`: activations
+quantised in the kernel, FP8 tensor cores; ``configs.default_w8a8_config`` tiles, decode and prefill).
 
 CPU tensors (and autograd, and block sizes without a power-of-two divisor >= 16) run the torch reference
 :func:`~.fp8_reference.fused_experts_fp8_ref`; ``MLA_FUSER_BACKEND`` forces a backend (``dispatch.use_triton``).
@@ -44,15 +43,16 @@ FP8_GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=2)
 FP8_SMALL_BATCH_MAX_TOKENS = 4
 
 
-# From FP8_ACT_QUANT_MIN_TOKENS to FP8_ACT_QUANT_MAX_TOKENS tokens the expert GEMMs run W8A8 (``moe_w8_gemm_kernel``'s
-# ``ACT_QUANT``: activations quantised per token and ``bk`` features inside the kernel, e4m3 weights straight into FP8
-# tensor cores) where :func:`act_quant_supported`; elsewhere the decode GEMVs and the weight-only GEMMs.  On an H200
-# (``bench_fp8_gemm.py --experts``, one V2-Lite layer, CUDA-graph timing; ``fp8_experts_w8a8.json``, before the
-# tuned tile) W8A8 against weight-only: 105 vs 117 us at 8 tokens, 147 vs 162 at 16, 167 vs 191 at 32, 177 vs 200 at
-# 64, and with the tuned tile (``configs.default_w8a8_config``) 133 at 16, 161 at 64; at 4 tokens the GEMVs win
-# (70 vs 71 us), at 512 the weight-only GEMMs (392 vs 543 us: prefill tiles for W8A8 are not tuned yet).
-# ``MLA_FUSER_FP8_ACT_QUANT=0``: never.
-FP8_ACT_QUANT_MIN_TOKENS, FP8_ACT_QUANT_MAX_TOKENS = 5, 64
+# From FP8_ACT_QUANT_MIN_TOKENS tokens on, the expert GEMMs run W8A8 (``moe_w8_gemm_kernel``'s ``ACT_QUANT``:
+# activations quantised per token and ``bk`` features inside the kernel, e4m3 weights straight into FP8 tensor cores)
+# where :func:`act_quant_supported`; below, the decode GEMVs.  On an H200 (``bench_fp8_gemm.py --experts``, one
+# V2-Lite layer, CUDA-graph timing) W8A8 against the GEMVs or weight-only GEMMs: 40.6 vs 24.9 us at 1 token, 44.6 vs
+# 39.0 at 2, 50.3 vs 58.2 at 3, 68.4 vs 69.2 at 4 (``fp8_experts_w8a8_decode.json``); 105 vs 117 at 8, 147 vs 162 at
+# 16, 167 vs 191 at 32, 177 vs 200 at 64 with the first tile (``fp8_experts_w8a8.json``), 133 at 16 and 161 at 64 with
+# the tuned one; at prefill sizes with the tuned tile (``configs.default_w8a8_config``) 0.304 vs 0.390 ms at 512
+# tokens and 3.32 vs 7.09 ms at 8192 (``fp8_experts_sweep_aligned_w8a8_prefill.json``; bf16 experts 0.305 / 1.94).
+# FP8_ACT_QUANT_MAX_TOKENS: None, no bound.  ``MLA_FUSER_FP8_ACT_QUANT=0``: never.
+FP8_ACT_QUANT_MIN_TOKENS, FP8_ACT_QUANT_MAX_TOKENS = 3, None
 # quantisation blocks' ``bk`` the W8A8 GEMMs take: one K tile is one activation group, and FP8 MMAs take K >= 32
 ACT_QUANT_GROUPS = (32, 64, 128)
 
@@ -65,10 +65,11 @@ def act_quant_supported(hidden: torch.Tensor, gate_up_block, down_block) -> bool
 
 
 def choose_act_quant(hidden: torch.Tensor, num_tokens: int, gate_up_block, down_block) -> bool:
-    """W8A8 for this call: ``FP8_ACT_QUANT_MIN_TOKENS`` to ``FP8_ACT_QUANT_MAX_TOKENS`` tokens, where supported,
-    unless switched off."""
-    return (FP8_ACT_QUANT_MIN_TOKENS <= num_tokens <= FP8_ACT_QUANT_MAX_TOKENS and envs.fp8_act_quant()
-            and act_quant_supported(hidden, gate_up_block, down_block))
+    """W8A8 for this call: from ``FP8_ACT_QUANT_MIN_TOKENS`` tokens (up to ``FP8_ACT_QUANT_MAX_TOKENS`` unless None),
+    where supported, unless switched off."""
+    return (FP8_ACT_QUANT_MIN_TOKENS <= num_tokens
+            and (FP8_ACT_QUANT_MAX_TOKENS is None or num_tokens <= FP8_ACT_QUANT_MAX_TOKENS)
+            and envs.fp8_act_quant() and act_quant_supported(hidden, gate_up_block, down_block))
 
 
 def triton_supported(hidden: torch.Tensor, gate_up_block, down_block) -> bool:
