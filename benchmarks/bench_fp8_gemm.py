@@ -156,7 +156,7 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
     import torch
     from mla_fuser.kernels.fused_moe import (fused_experts, fused_experts_fp8, fused_experts_fp8_ref,
                                              fused_experts_fp8_triton, fused_experts_triton)
-    from mla_fuser.kernels.fused_moe.fp8_launch import choose_act_quant, choose_fp8_path
+    from mla_fuser.kernels.fused_moe.fp8_launch import FP8_PREQUANT_MIN_TOKENS, choose_act_quant, choose_fp8_path
     from mla_fuser.kernels.fused_moe.launch import _choose_path, gemv_down_max_tokens
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -178,9 +178,12 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
         if t <= gemv_down_max_tokens():
             variants["fp8_gemms"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
                                                                        decode_gemv=False)
-        # the W8A8 GEMMs (activations quantised in the kernel) and the weight-only ones, whichever "fp8" picks
+        # the W8A8 GEMMs (activations quantised in the kernel, or by launches of their own before each GEMM) and the
+        # weight-only ones, whichever "fp8" picks
         variants["fp8_w8a8"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
-                                                                  act_quant=True)
+                                                                  act_quant=True, prequant=False)
+        variants["fp8_w8a8_prequant"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
+                                                                           act_quant=True, prequant=True)
         variants["fp8_weight_only"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
                                                                          act_quant=False)
         # fp16 activations: the weight-only GEMMs widen e4m3 to the activations' dtype, which for fp16 is one
@@ -193,7 +196,8 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
                                                                               **layout, decode_gemv=False)
         row = {"tokens": t, "experts_picked": picked, "path": _choose_path("auto", t, t * k),
                "fp8_path": choose_fp8_path("auto", t, t * k),
-               "fp8_act_quant": choose_act_quant(x, t, layout["gate_up_block"], layout["down_block"])}
+               "fp8_act_quant": choose_act_quant(x, t, layout["gate_up_block"], layout["down_block"]),
+               "fp8_prequant_min_tokens": FP8_PREQUANT_MIN_TOKENS}
         for label, fn in variants.items():
             try:
                 out = fn(0).float()
@@ -208,7 +212,8 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
             except Exception as exc:  # record and go on
                 row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                 traceback.print_exc()
-        for label in ("fp8", "fp8_gemms", "fp8_w8a8", "fp8_weight_only", "fp8_f16act", "fp8_gemms_f16act"):
+        for label in ("fp8", "fp8_gemms", "fp8_w8a8", "fp8_w8a8_prequant", "fp8_weight_only", "fp8_f16act",
+                      "fp8_gemms_f16act"):
             if f"{label}_ms" in row and "bf16_ms" in row:
                 row[f"{label}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{label}_ms"]
         result["rows"].append(row)

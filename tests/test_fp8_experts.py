@@ -129,12 +129,14 @@ W8A8_TILES = {"gemm1": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=2, SCAN
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hidden,inter,block,halves", [(80, 40, (32, 32), True), (64, 48, (16, 32), False),
                                                        (64, 32, (64, 64), True)])
-def test_w8a8_gemms_match_their_reference(monkeypatch, path, dtype, hidden, inter, block, halves):
-    """The W8A8 GEMMs (activations quantised in the kernel per token and ``bk`` features, e4m3 products) compute the
-    reference's W8A8 math, and measurably not the weight-only math: the output is on average at least twice as close
-    to the act-quant reference as to the weight-only one.  K not a multiple of ``bk`` (80 = 2.5 groups of 32: the last
-    group partial), both gate/up scale layouts, a sentinel id, an expert with more pairs than one tile; activations
-    spread over three decades so that per-group scales matter."""
+@pytest.mark.parametrize("prequant", [False, True])
+def test_w8a8_gemms_match_their_reference(monkeypatch, path, dtype, hidden, inter, block, halves, prequant):
+    """The W8A8 GEMMs (activations quantised per token and ``bk`` features, in the kernel or, with ``prequant``, by
+    launches of their own before each GEMM; e4m3 products) compute the reference's W8A8 math, and measurably not the
+    weight-only math: the output is on average at least twice as close to the act-quant reference as to the
+    weight-only one.  K not a multiple of ``bk`` (80 = 2.5 groups of 32: the last group partial), both gate/up scale
+    layouts, a sentinel id, an expert with more pairs than one tile; activations spread over three decades so that
+    per-group scales matter."""
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     num_experts, tokens, topk = 5, 18, 2
@@ -148,11 +150,50 @@ def test_w8a8_gemms_match_their_reference(monkeypatch, path, dtype, hidden, inte
     ref = fm.fused_experts_fp8_ref(x, *stacks, ids, w, act_quant=True, **layout)
     weight_only = fm.fused_experts_fp8_ref(x, *stacks, ids, w, **layout)
     dev = [t.to(DEVICE) for t in (x, *stacks, ids, w)]
-    out = fm.fused_experts_fp8_triton(*dev, path=path, config=W8A8_TILES, act_quant=True, **layout).cpu()
+    out = fm.fused_experts_fp8_triton(*dev, path=path, config=W8A8_TILES, act_quant=True, prequant=prequant,
+                                      **layout).cpu()
     _close(out, ref, dtype)
     to_ref = (out.float() - ref.float()).abs().mean().item()
     to_weight_only = (out.float() - weight_only.float()).abs().mean().item()
     assert to_ref * 2 <= to_weight_only, (to_ref, to_weight_only)
+
+
+@needs_triton
+def test_w8a8_prequantised_activations_are_the_in_kernel_ones(monkeypatch):
+    """Quantising the activations before each GEMM gives the e4m3 values and scales the GEMM would compute in its
+    registers, so both give the same bits (interpreted; compiled, to the last bf16 bit at most); auto prequantises
+    from FP8_PREQUANT_MIN_TOKENS tokens; prequant without W8A8 is an error."""
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    num_experts, hidden, inter, block = 4, 64, 32, (32, 32)
+    stacks, layout = _stacks(num_experts, hidden, inter, block, True)
+    gen = torch.Generator().manual_seed(9)
+    tokens, topk = 12, 2
+    x = (torch.randn(tokens, hidden, generator=gen) * torch.logspace(-2, 1, hidden)).to(torch.bfloat16)
+    ids = torch.randint(0, num_experts, (tokens, topk), generator=gen)
+    w = torch.rand(tokens, topk, generator=gen)
+    dev = [t.to(DEVICE) for t in (x, *stacks, ids, w)]
+    calls = []
+    real = fp8_launch.quantize_token_groups
+    monkeypatch.setattr(fp8_launch, "quantize_token_groups", lambda *a: calls.append(a[0].shape) or real(*a))
+    runs = {p: fm.fused_experts_fp8_triton(*dev, path="aligned", config=W8A8_TILES, act_quant=True, prequant=p,
+                                           **layout).cpu() for p in (False, True)}
+    assert calls == [(tokens, hidden), (tokens * topk, inter)]  # the hidden rows, then the pairs' intermediates
+    if ON_GPU:
+        assert torch.allclose(runs[True].float(), runs[False].float(), rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(runs[True], runs[False])
+    calls.clear()
+    monkeypatch.setattr(fp8_launch, "FP8_PREQUANT_MIN_TOKENS", tokens)
+    fm.fused_experts_fp8_triton(*dev, path="aligned", config=W8A8_TILES, act_quant=True, **layout)
+    assert len(calls) == 2
+    calls.clear()
+    monkeypatch.setattr(fp8_launch, "FP8_PREQUANT_MIN_TOKENS", tokens + 1)
+    fm.fused_experts_fp8_triton(*dev, path="aligned", config=W8A8_TILES, act_quant=True, **layout)
+    assert calls == []
+    with pytest.raises(ValueError, match="needs act_quant"):
+        fm.fused_experts_fp8_triton(*dev, path="aligned", config=W8A8_TILES, act_quant=False, prequant=True,
+                                    **layout)
 
 
 def test_w8a8_is_chosen_by_tokens_dtype_blocks_and_switch(monkeypatch):
@@ -224,6 +265,20 @@ def test_fp8_auto_path_by_tokens(monkeypatch):
     assert fp8_launch.choose_fp8_path("auto", 16, 96) == "small"
     with pytest.raises(ValueError, match="path must be"):
         fp8_launch.choose_fp8_path("fast", 1, 6)
+
+
+def test_w8a8_tiles_by_pairs_per_expert():
+    """The W8A8 GEMMs' default tiles: 16 x 64 up to 32 pairs per expert (and on the small path), 64 x 128 on 8 warps
+    up to 128, 64 x 64 on 4 warps above (each the sweep's best there); gemm1 and gemm2 share BLOCK_M (the aligned
+    path's one alignment)."""
+    def tile(tokens, path="aligned"):
+        cfg = configs.get_moe_config(path, tokens, 6, 64, fp8=True, act_quant=True)
+        assert cfg["gemm1"] == cfg["gemm2"]
+        return tuple(cfg["gemm1"][k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
+
+    assert tile(16) == tile(341) == tile(8192, "small") == (16, 64, 4, 3)  # 341 tokens: 31.97 pairs per expert
+    assert tile(342) == tile(1365) == (64, 128, 8, 3)  # 1365: 127.97
+    assert tile(1366) == tile(65536) == (64, 64, 4, 3)
 
 
 def test_fp8_tiles_default_to_their_own_at_decode_sizes(monkeypatch):

@@ -136,7 +136,7 @@ def test_fp8_expert_gemm_compiles(aligned, gated):
                 "rw_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_post_ptr": "*i32"}
     consts = dict(A_ROW_DIV=6 if gated else 1, ALIGNED=aligned, GATED=gated, MUL_ROUTING=not gated, ACT=0,
                   IEEE=False, UPCAST=False, SCAN_P=16, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1,
-                  ACT_QUANT=False)
+                  ACT_QUANT=False, A_FP8=False)
     ptx = _ptx(moe_w8_gemm_kernel, pointers, consts, num_stages=3)
     assert _count(ptx, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") > 0
     assert _count(ptx, "cvt.bf16.f16") > 0  # (bf16 dots widen e4m3 through fp16)
@@ -153,8 +153,26 @@ def test_fp8_expert_w8a8_gemm_runs_on_fp8_tensor_cores(aligned, block_m, block_n
     pointers = {"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "c_ptr": "*bf16", "ids_ptr": "*i64",
                 "rw_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_post_ptr": "*i32"}
     consts = dict(A_ROW_DIV=6, ALIGNED=aligned, GATED=True, MUL_ROUTING=False, ACT=0, IEEE=False, UPCAST=False,
-                  SCAN_P=16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, ACT_QUANT=True)
+                  SCAN_P=16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, ACT_QUANT=True, A_FP8=False)
     ptx = _ptx(moe_w8_gemm_kernel, pointers, consts, num_warps=warps, num_stages=3)
     assert _count(ptx, f"wgmma.mma_async.sync.aligned.m64n{block_m}k32.f32.e4m3.e4m3") > 0
     assert _count(ptx, "cvt.rn.satfinite.e4m3x2.f32") > 0
+    assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 0 and _count(ptx, "cvt.bf16.f16") == 0
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_fp8_expert_w8a8_gemm_on_prequantised_activations_converts_nothing(gated):
+    """``A_FP8``: the activations arrive as e4m3 with their scales, so the prefill tile's GEMM runs FP8 ``wgmma``
+    (weight rows as its 64-row side, 64 pairs on the other) with no conversion to or from e4m3 at all."""
+    from mla_fuser.kernels.fused_moe.fp8_kernels import moe_w8_gemm_kernel
+
+    pointers = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "c_ptr": "*bf16",
+                "ids_ptr": "*i64", "rw_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+                "num_post_ptr": "*i32"}
+    consts = dict(A_ROW_DIV=6 if gated else 1, ALIGNED=True, GATED=gated, MUL_ROUTING=not gated, ACT=0, IEEE=False,
+                  UPCAST=False, SCAN_P=16, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, ACT_QUANT=True,
+                  A_FP8=True)
+    ptx = _ptx(moe_w8_gemm_kernel, pointers, consts, num_warps=8, num_stages=3)
+    assert _count(ptx, "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3") > 0
+    assert _count(ptx, "cvt.rn.satfinite.e4m3x2.f32") == 0
     assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 0 and _count(ptx, "cvt.bf16.f16") == 0

@@ -28,14 +28,15 @@ from ..dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, tl
 
 @LazyJit
 def moe_w8_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, rw_ptr, sorted_ptr, block_expert_ptr, num_post_ptr,
+    a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, rw_ptr, sorted_ptr, block_expert_ptr, num_post_ptr,
     NP, N, K, NUM_M_BLOCKS,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_cm, stride_cn,
+    stride_am, stride_ak, stride_asm, stride_ask, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_cm, stride_cn,
     QBN, QBK, UP_SCALE_BASE, UP_ROW_SHIFT,
     A_ROW_DIV: tl.constexpr, ALIGNED: tl.constexpr, GATED: tl.constexpr, MUL_ROUTING: tl.constexpr,
     ACT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, SCAN_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT_QUANT: tl.constexpr,
+    ACT_QUANT: tl.constexpr, A_FP8: tl.constexpr,
 ):
     """``C[pair, n] = epilogue(A[pair // A_ROW_DIV, :] @ dequant(W[e])[n, :])``; grids as ``moe_gemm_kernel``.
 
@@ -45,7 +46,9 @@ def moe_w8_gemm_kernel(
     launch), and the e4m3 weight tile goes to the FP8 tensor cores as loaded, never widened.  The product is
     computed transposed, ``W_tile @ A_tile^T`` (``[BLOCK_N, BLOCK_M]``), so that weight rows fill the MMA's 64-row
     side and a handful of tokens its narrow one (Hopper's ``wgmma`` takes 64 rows; a 16-token tile there would pad
-    to 64)."""
+    to 64).  ``A_FP8`` (with ``ACT_QUANT``): ``A`` is already e4m3, quantised the same way by a launch of its own
+    (``fp8.linear.quantize_token_groups``), its scales at ``as_ptr[row, k0 // BLOCK_K]``: at prefill sizes every
+    weight-column tile would otherwise quantise the same activation tile again (``as_ptr`` is unused without it)."""
     if ALIGNED:
         pid = tl.program_id(0)
         num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -107,16 +110,22 @@ def moe_w8_gemm_kernel(
             acc_ut = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k_ok = offs_k < K - k0
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                # e4m3's largest value 448; a row of zeros keeps a finite scale (as ``fp8.quant``)
-                a_scale = tl.maximum(tl.reduce(tl.abs(a), 1, MAX_COMBINE) / 448.0, 1e-12)
-                aq = a / a_scale[:, None]  # (|aq| <= FP8_MAX: no clamp)
-                if UPCAST:  # interpreter only: round to e4m3 in fp32 (as act_quant_kernel's ROUND_FIRST), fp32 dots
-                    exponent = ((aq.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-                    magic = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True) * 12582912.0
-                    aq_t = tl.trans((aq + magic) - magic)
+                if A_FP8:
+                    aq = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    a_scale = tl.load(as_ptr + a_rows * stride_asm + (k0 // BLOCK_K) * stride_ask, mask=row_ok,
+                                      other=0.0)
+                    aq_t = tl.trans(aq.to(tl.float32)) if UPCAST else tl.trans(aq)
                 else:
-                    aq_t = tl.trans(aq.to(tl.float8e4nv))
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                    # e4m3's largest value 448; a row of zeros keeps a finite scale (as ``fp8.quant``)
+                    a_scale = tl.maximum(tl.reduce(tl.abs(a), 1, MAX_COMBINE) / 448.0, 1e-12)
+                    aq = a / a_scale[:, None]  # (|aq| <= FP8_MAX: no clamp)
+                    if UPCAST:  # interpreter only: round to e4m3 in fp32 (as act_quant_kernel's ROUND_FIRST)
+                        exponent = ((aq.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+                        magic = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True) * 12582912.0
+                        aq_t = tl.trans((aq + magic) - magic)
+                    else:
+                        aq_t = tl.trans(aq.to(tl.float8e4nv))
                 wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 sg = tl.load(sg_rows + (k0 // QBK) * stride_sk, mask=n_ok, other=0.0)
                 if UPCAST:

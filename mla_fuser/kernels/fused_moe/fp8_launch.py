@@ -24,7 +24,7 @@ import torch
 from ... import envs
 from ..dispatch import cdiv, kernel_op, next_pow2, pow2_divisor, triton_interpreting, use_triton
 from ..fp8.linear import gemv_block_n as linear_gemv_block_n
-from ..fp8.linear import has_fp8_tensor_cores
+from ..fp8.linear import has_fp8_tensor_cores, quantize_token_groups
 from .fp8_kernels import moe_w8_gemm_kernel
 from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
 from .launch import (_choose_path, _tiles, align_tokens_to_experts, gemv_down_max_tokens, launch_down_gemv,
@@ -53,6 +53,13 @@ FP8_SMALL_BATCH_MAX_TOKENS = 4
 # tokens and 3.32 vs 7.09 ms at 8192 (``fp8_experts_sweep_aligned_w8a8_prefill.json``; bf16 experts 0.305 / 1.94).
 # FP8_ACT_QUANT_MAX_TOKENS: None, no bound.  ``MLA_FUSER_FP8_ACT_QUANT=0``: never.
 FP8_ACT_QUANT_MIN_TOKENS, FP8_ACT_QUANT_MAX_TOKENS = 3, None
+# From this many tokens the W8A8 GEMMs read activations quantised by a launch of their own before each GEMM
+# (``moe_w8_gemm_kernel``'s ``A_FP8``) instead of quantising them in registers, where every weight-column tile
+# quantises the same activation tile again.  H200, one V2-Lite layer, CUDA-graph timing, same tiles
+# (``fp8_experts_w8a8_prequant.json``): 127 vs 133 us at 16 tokens, 159 vs 161 at 64, 212 vs 252 at 256, 262 vs 301
+# at 512, 0.72 vs 0.95 ms at 2048, 2.51 vs 3.34 at 8192 (bf16: 220, 271, 296, 315 us, 0.65, 1.99 ms).  Below 16
+# tokens not timed: the two extra launches stay out of the smallest decode steps.
+FP8_PREQUANT_MIN_TOKENS = 16
 # quantisation blocks' ``bk`` the W8A8 GEMMs take: one K tile is one activation group, and FP8 MMAs take K >= 32
 ACT_QUANT_GROUPS = (32, 64, 128)
 
@@ -106,12 +113,15 @@ def choose_fp8_path(path: str, num_tokens: int, num_pairs: int) -> str:
 
 
 def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out, k_dim, a_row_div, gated, act,
-                   block, cfg, num_experts, up_scale_base=0, up_row_shift=0, act_quant=False):
+                   block, cfg, num_experts, up_scale_base=0, up_row_shift=0, act_quant=False, a_scale=None):
     """One block-FP8 expert-grouped GEMM (GEMM1 if ``gated`` else GEMM2); ``align`` None = small path.  (bf16
     activations' dots on fp16 operands, which widen e4m3 without the detour through fp16 to bf16, were slower on an
     H200 at 1-16 tokens, 184 against 166 us for a V2-Lite layer at 16, ``fp8_experts_variants.json``: the per-row
     scaling pass they need cost more than the widening saved.)  ``act_quant``: the W8A8 variant, whose K tile is
-    the quantisation block's ``bk`` (one activation group per tile, :func:`act_quant_supported`)."""
+    the quantisation block's ``bk`` (one activation group per tile, :func:`act_quant_supported`); with ``a_scale``
+    (``[rows of a, groups]`` fp32) ``a`` is e4m3 already, quantised per row and ``bk`` features (``A_FP8``)."""
+    if a_scale is not None and not act_quant:
+        raise ValueError("pre-quantised (e4m3) activations need the W8A8 GEMM (act_quant)")
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     block_k = block[1] if act_quant else min(cfg["BLOCK_K"], pow2_divisor(block[1], 128))
     if align is None:
@@ -122,14 +132,17 @@ def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out
         sorted_ids, expert_ids, num_post = align
         num_m_blocks = expert_ids.numel()
         grid = (num_m_blocks * cdiv(n_out, block_n),)
+    fp8_a = a_scale is not None
     moe_w8_gemm_kernel[grid](
-        a, w, scale, c, flat_ids, routing if routing is not None else c, sorted_ids, expert_ids, num_post,
+        a, a_scale if fp8_a else scale, w, scale, c, flat_ids, routing if routing is not None else c, sorted_ids,
+        expert_ids, num_post,
         num_pairs, n_out, k_dim, num_m_blocks,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        a.stride(0), a.stride(1), a_scale.stride(0) if fp8_a else 0, a_scale.stride(1) if fp8_a else 0,
+        w.stride(0), w.stride(1), w.stride(2),
         scale.stride(0), scale.stride(1), scale.stride(2), c.stride(0), c.stride(1),
         block[0], block[1], up_scale_base, up_row_shift,
         A_ROW_DIV=a_row_div, ALIGNED=align is not None, GATED=gated, MUL_ROUTING=routing is not None, ACT=act,
-        IEEE=a.dtype == torch.float32, UPCAST=not a.is_cuda and triton_interpreting(),
+        IEEE=a.dtype == torch.float32, UPCAST=not a.is_cuda and triton_interpreting(), A_FP8=fp8_a,
         SCAN_P=cfg.get("SCAN_P", min(512, max(16, next_pow2(num_pairs)))),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.get("GROUP_M", 1), ACT_QUANT=act_quant,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
@@ -139,11 +152,13 @@ def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out
 def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights, *,
                              gate_up_block, down_block, up_scale_base=0, up_row_shift=None, activation="silu",
                              path="auto", config: Optional[dict] = None, decode_gemv: bool = True,
-                             act_quant: Optional[bool] = None) -> torch.Tensor:
+                             act_quant: Optional[bool] = None, prequant: Optional[bool] = None) -> torch.Tensor:
     """The Triton implementation (no dispatch); arguments as :func:`fused_experts_fp8`, ``config`` as the bf16
     op's (``{"gemm1": {...}, "gemm2": {...}}``, plus ``"fp8_gemv1"`` / ``"fp8_gemv2"`` for the decode GEMVs);
     ``decode_gemv`` False keeps the small path's GEMMs at decode sizes too (tests, benchmarks); ``act_quant`` forces
-    the GEMMs' W8A8 variant on or off (None: :func:`choose_act_quant`; on needs :func:`act_quant_supported`)."""
+    the GEMMs' W8A8 variant on or off (None: :func:`choose_act_quant`; on needs :func:`act_quant_supported`);
+    ``prequant`` forces W8A8's activations to be quantised by launches of their own before each GEMM, or in the
+    GEMM's registers (None: from ``FP8_PREQUANT_MIN_TOKENS`` tokens; the same e4m3 values and scales either way)."""
     num_tokens, hidden_size, num_experts, inter, topk = check_fp8_shapes(
         hidden, gate_up_w, gate_up_scale, down_w, down_scale, topk_ids, topk_weights
     )
@@ -152,6 +167,10 @@ def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scal
     elif act_quant and not act_quant_supported(hidden, gate_up_block, down_block):
         raise ValueError(f"the W8A8 expert GEMMs need fp16/bf16 activations (got {hidden.dtype}), K blocks in "
                          f"{ACT_QUANT_GROUPS} (got {gate_up_block[1]}, {down_block[1]}) and FP8 tensor cores")
+    if prequant is None:
+        prequant = act_quant and num_tokens >= FP8_PREQUANT_MIN_TOKENS
+    elif prequant and not act_quant:
+        raise ValueError("prequant quantises the W8A8 GEMMs' activations: it needs act_quant")
     act = activation_code(activation)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     num_pairs = num_tokens * topk
@@ -184,11 +203,13 @@ def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scal
     common = dict(flat_ids=flat_ids, align=align, num_pairs=num_pairs, act=act, num_experts=num_experts,
                   act_quant=act_quant)
     inter_buf = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    launch_w8_gemm(a=x, w=gate_up_w, scale=gate_up_scale, c=inter_buf, routing=None, n_out=inter, k_dim=hidden_size,
-                   a_row_div=topk, gated=True, block=gate_up_block, cfg=cfg["gemm1"], up_scale_base=up_scale_base,
-                   up_row_shift=shift, **common)
+    a1, s1 = quantize_token_groups(x, gate_up_block[1]) if prequant else (x, None)
+    launch_w8_gemm(a=a1, a_scale=s1, w=gate_up_w, scale=gate_up_scale, c=inter_buf, routing=None, n_out=inter,
+                   k_dim=hidden_size, a_row_div=topk, gated=True, block=gate_up_block, cfg=cfg["gemm1"],
+                   up_scale_base=up_scale_base, up_row_shift=shift, **common)
     pair_out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    launch_w8_gemm(a=inter_buf, w=down_w, scale=down_scale, c=pair_out, routing=routing, n_out=hidden_size,
+    a2, s2 = quantize_token_groups(inter_buf, down_block[1]) if prequant else (inter_buf, None)
+    launch_w8_gemm(a=a2, a_scale=s2, w=down_w, scale=down_scale, c=pair_out, routing=routing, n_out=hidden_size,
                    k_dim=inter, a_row_div=1, gated=False, block=down_block, cfg=cfg["gemm2"], **common)
     block_h = min(1024, max(16, next_pow2(hidden_size)))
     moe_combine_kernel[(num_tokens, cdiv(hidden_size, block_h))](
