@@ -659,10 +659,9 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
             if has_tc:
                 variants["fp8_tc"] = lambda i: fp8_linear.fp8_linear_triton(x, *weights[i][:2], None, *block)
             if has_tc and t < fp8_linear.FP8_TENSOR_CORE_MIN_TOKENS:
-                # the weight-only GEMM's W8A8 variant (activations quantised in the kernel; no table row asks for
-                # it yet): the weight-only table's tile for t tokens, at least 64 columns wide, K tiles of bk
-                wo = fp8_linear.table_config(fp8_linear.W8_CONFIGS, t, n * k)
-                w8a8 = wo._replace(block_n=max(64, wo.block_n), block_k=block[1], dot=True, act_quant=True)
+                # the split-K GEMM's W8A8 variant (activations quantised in the kernel) with its table's tile for t
+                # tokens, K tiles of bk, whether or not choose_path takes it ("auto_path" says)
+                w8a8 = fp8_linear.table_config(fp8_linear.W8A8_CONFIGS, t, n * k)._replace(block_k=block[1])
                 variants["w8a8"] = lambda i, c=w8a8: fp8_linear.w8_linear_triton(x, *weights[i][:2], None, *block,
                                                                                 config=c)
             row = {"shape": name, "N": n, "K": k, "tokens": t, "auto_path": fp8_linear.choose_path(t, x, n, k, *block)}

@@ -78,7 +78,7 @@ want fp8_decode && step 150 python3 benchmarks/profile_decode_step.py --fp8-weig
 # step with W8A8 and the split-K fix-up on and off, and (fp8_w8a8_tiles, a call of its own) their decode and prefill
 # tiles; the linear's W8A8 variant
 # ("w8a8" in bench_fp8_gemm's default section, beside the weight-only GEMM); first their compiled tests (the fix-up's
-# graph and stream tests among them: MLA_FUSER_SPLITK_FIXUP stays off until they pass on a GPU)
+# graph and stream tests among them)
 want fp8_w8a8 && step 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_experts.py \
            -k "fixup or w8a8"
 want fp8_w8a8 && step 150 python3 benchmarks/bench_fp8_gemm.py --experts --tokens 4,8,16,32,64,512,8192 \

@@ -112,7 +112,7 @@ def _fixup_case(m, n, k, block, with_bias, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["mma", "gemv4"])
 def test_split_k_fixup_equals_the_reduction(monkeypatch, m, n, k, block, splits, with_bias, dtype, variant):
-    """``MLA_FUSER_SPLITK_FIXUP=1``: each output tile's last split sums the partials in split order, so the result is
+    """``MLA_FUSER_SPLITK_FIXUP`` on: each output tile's last split sums the partials in split order, so the result is
     the reduction kernel's (``MLA_FUSER_SPLITK_FIXUP=0``) bit for bit, with one launch; the tickets are back at 0
     after every call, so the next call (and a replay) starts clean.  Compiled on a GPU, interpreted elsewhere."""
     if not ON_GPU:

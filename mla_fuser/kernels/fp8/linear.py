@@ -23,7 +23,7 @@ Launch configs (tiles, warps, stages, split-K, MMA or GEMV) come from small tabl
 ``W8_CONFIGS``, ``W8A8_CONFIGS`` and ``TC_CONFIGS`` (picked by ``benchmarks/bench_fp8_gemm.py``), and the one-token GEMV's
 ``GEMV_CONFIG`` (``--gemv-sweep``), resolved once per shape into a cached plan (``gemv_plan``, ``w8_plan``,
 ``tc_plan``): a decode GEMM's host work is a cache lookup, its allocations and one launch (a split K is summed by a
-second launch, or with ``MLA_FUSER_SPLITK_FIXUP=1`` by the last split of each output tile).
+second launch with ``MLA_FUSER_SPLITK_FIXUP=0``, else by the last split of each output tile).
 
 Torch references: ``block_fp8_linear_ref`` (weight-only, fp32 math: what a model whose FP8 weights were
 dequantised to fp32 computes) and ``block_fp8_linear_act_quant_ref`` (the FP8 path's math, activations quantised

@@ -8,7 +8,7 @@ a few tokens, multiplied and summed in fp32 on the CUDA cores (a GEMV: no MMA pa
 memory round trip).  The fp32 partial product is scaled per output row (``BLOCK_K`` divides the quantisation
 block's ``bk``, so one K tile lies in one scale column).  Split-K over ``grid[2]`` programs fills the GPU when
 ``N`` alone gives few tiles; each split writes its fp32 partial sums to ``[SPLITS, M, N]`` and the split that
-finishes a tile last adds them in split order, adds the bias and casts (``FIXUP``, ``MLA_FUSER_SPLITK_FIXUP=1``:
+finishes a tile last adds them in split order, adds the bias and casts (``FIXUP``, unless ``MLA_FUSER_SPLITK_FIXUP=0``:
 deterministic, one atomic ticket per program), or ``splitk_reduce_kernel`` does the same in a second launch.
 
 ``w8_gemv_kernel`` (the decode path, up to ``linear.GEMV_MAX_TOKENS`` tokens): one launch per GEMM, the scales folded
@@ -25,7 +25,7 @@ instead of masked (the store is masked); the weight-only GEMM masks activation r
 token, 15 of the 16 rows an MMA needs: zero-filled, not fetched).  K is masked only when ``K`` is not a multiple
 of ``BLOCK_K`` (``EVEN_K``).
 
-Compiled for sm_90 (Triton 3.9, on a CPU; not yet timed): the MMA variant's loads are pipelined (``cp.async``),
+Compiled for sm_90 (Triton 3.9, on a CPU): the MMA variant's loads are pipelined (``cp.async``),
 the GEMV's are not (occupancy hides their latency: few registers, little shared memory); the tensor-core GEMM
 waits for each K tile's ``wgmma`` before scaling it, so one CTA never overlaps MMA and scaling -- two CTAs per SM
 do (64x128 tiles on 4 warps fit twice), and 128x128 on 4 warps or 128x256 on 8 spill registers.
