@@ -37,8 +37,9 @@ grouped GEMMs of one MoE layer at DeepSeek-V2-Lite's expert shapes (64 experts, 
 top-6 of random router scores), T in {1, 4, 16, 64, 512, 8192} tokens (``path`` / ``fp8_path``: what "auto"
 picks for bf16 / FP8), 128x128 block scales per expert, against bf16 ``fused_experts`` on the same weights in the same
 run (and, at decode sizes, FP8 without its decode GEMVs:
-``fp8_gemms``; at every size the GEMMs forced W8A8, ``fp8_w8a8``, and weight-only, ``fp8_weight_only``, whichever
-"auto" picks, ``fp8_act_quant``): the speed-up, the bytes of the experts the tokens picked over the time (``*_weight_GBps``, and as a
+``fp8_gemms``; at every size the GEMMs forced W8A8 with the activations quantised in the GEMM, ``fp8_w8a8``, or
+before it, ``fp8_w8a8_prequant``, and weight-only, ``fp8_weight_only``, whichever "auto" picks, ``fp8_act_quant``):
+the speed-up, the bytes of the experts the tokens picked over the time (``*_weight_GBps``, and as a
 fraction of the copy bandwidth), and the error against ``fused_experts_fp8_ref`` (fp32 on the dequantised weights).
 Times: ``*_ms`` GPU time (CUDA-graph replay of ``ROUTINGS`` calls, each with its own random routing, L2 flushed
 before each replay), ``*_eager_ms`` one eager call.  JSON: ``benchmarks/results/fp8_experts.json``.

@@ -20,7 +20,8 @@ shape:
 ``MLA_FUSER_FP8_ACT_QUANT=0`` (read per call) keeps the weight-only paths at every size.
 
 Launch configs (tiles, warps, stages, split-K, MMA or GEMV) come from small tables keyed by token count,
-``W8_CONFIGS``, ``W8A8_CONFIGS`` and ``TC_CONFIGS`` (picked by ``benchmarks/bench_fp8_gemm.py``), and the one-token GEMV's
+``W8_CONFIGS``, ``W8A8_CONFIGS`` and ``TC_CONFIGS`` (picked by ``benchmarks/bench_fp8_gemm.py``), and the one-token
+GEMV's
 ``GEMV_CONFIG`` (``--gemv-sweep``), resolved once per shape into a cached plan (``gemv_plan``, ``w8_plan``,
 ``tc_plan``): a decode GEMM's host work is a cache lookup, its allocations and one launch (a split K is summed by a
 second launch with ``MLA_FUSER_SPLITK_FIXUP=0``, else by the last split of each output tile).
@@ -164,9 +165,9 @@ class W8Config(NamedTuple):
     programs per SM when the output tiles alone give fewer (0: never split); ``dot``: tensor-core MMA on the
     widened weights, else an fp32 multiply-and-sum (a GEMV, for ``block_m`` 1-4); ``act_quant``: W8A8 instead
     (``w8_gemm_kernel``'s ``ACT_QUANT``: activations quantised in the kernel, FP8 tensor cores; ``block_k`` must be the
-    quantisation block's ``bk``, one of ``W8A8_GROUPS``, and ``block_n`` at least 64; ``W8A8_CONFIGS``).  (fp16 dots on power-of-two-scaled
-    bf16 rows, which avoid widening e4m3 through fp16 to bf16, were slower on an H200 at 1-16 tokens on every shape
-    measured, e.g. V3's MLP down 77 against 63 us: ``fp8_gemm_variants.json``.)"""
+    quantisation block's ``bk``, one of ``W8A8_GROUPS``, and ``block_n`` at least 64; ``W8A8_CONFIGS``).  (fp16
+    dots on power-of-two-scaled bf16 rows, which avoid widening e4m3 through fp16 to bf16, were slower on an H200 at
+    1-16 tokens on every shape measured, e.g. V3's MLP down 77 against 63 us: ``fp8_gemm_variants.json``.)"""
 
     block_m: int = 16
     block_n: int = 64

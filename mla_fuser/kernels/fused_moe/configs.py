@@ -86,9 +86,10 @@ def default_w8a8_config(path: str, num_tokens: int, topk: int, num_experts: int)
     of 20 tiles at 512 and 8192 tokens with the activations quantised in the GEMM (0.304 / 3.32 ms against 0.389 /
     4.24 for the same tile on 4 warps; 128-row tiles 3.81 ms at 8192, 256-column ones out of shared memory;
     ``fp8_experts_sweep_aligned_w8a8_prefill.json``); above, 64 by 64 on 4 warps and 3 stages, the best of 20 at 8192
-    tokens (768 pairs per expert) with the activations quantised before the GEMM (``fp8_launch.FP8_PREQUANT_MIN_TOKENS``;
-    2.26 against 2.50 ms for the 64 by 128 tile, ``fp8_experts_sweep_aligned_w8a8_prequant.json``; not timed there
-    at 512 tokens, which keeps the tile it was timed with)."""
+    tokens (768 pairs per expert) with the activations quantised before the GEMM
+    (``fp8_launch.FP8_PREQUANT_MIN_TOKENS``; 2.26 against 2.50 ms for the 64 by 128 tile,
+    ``fp8_experts_sweep_aligned_w8a8_prequant.json``; not timed there at 512 tokens, which keeps the tile it was timed
+    with)."""
     pairs_per_expert = num_tokens * topk / max(1, num_experts)
     if path == "small" or pairs_per_expert <= 32:
         tile = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)

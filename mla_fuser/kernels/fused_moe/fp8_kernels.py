@@ -1,7 +1,8 @@
 """The block-FP8 expert-grouped GEMM: ``moe_gemm_kernel`` (:mod:`.triton_kernels`) with e4m3 weights and per-expert
-block scales, weight-only or (``ACT_QUANT``, from a few tokens: ``fp8_launch.choose_act_quant``) W8A8; for decode (up to ``launch.GEMV_DOWN_MAX_TOKENS`` tokens) the bf16 op's two GEMVs run
-instead, with ``SCALED`` (:mod:`.triton_kernels`: ``moe_up_gemv_kernel``, GEMM1 with the activation, and
-``moe_down_gemv_kernel``, GEMM2 with the routing weights and the combine), two launches for the whole experts forward.
+block scales, weight-only or (``ACT_QUANT``, from a few tokens: ``fp8_launch.choose_act_quant``) W8A8; for decode
+(up to ``launch.GEMV_DOWN_MAX_TOKENS`` tokens) the bf16 op's two GEMVs run instead, with ``SCALED``
+(:mod:`.triton_kernels`: ``moe_up_gemv_kernel``, GEMM1 with the activation, and ``moe_down_gemv_kernel``, GEMM2 with
+the routing weights and the combine), two launches for the whole experts forward.
 
 Why weight-only: an MoE layer at decode reads six or eight experts' weights for a handful of tokens, so it is bound
 by the bytes of weights it reads, which e4m3 halves; the activations stay in their dtype (no quantisation error
