@@ -9,7 +9,9 @@ column per K tile).  Up to ``GEMV_DOWN_MAX_TOKENS`` tokens the small path is two
 the activations, no MMA padding of one token's row to 16, no combine launch) when row tiles of at least
 ``GEMV_MIN_BLOCK_N`` fit the scale blocks (:func:`gemv_block_n`).  From ``FP8_ACT_QUANT_MIN_TOKENS`` to
 ``FP8_ACT_QUANT_MAX_TOKENS`` (None: no bound) tokens both GEMMs run W8A8 (:func:`choose_act_quant`: activations
-quantised in the kernel, FP8 tensor cores; ``configs.default_w8a8_config`` tiles, decode and prefill).
+quantised per token and ``bk`` features, in the kernel's registers or, from ``FP8_PREQUANT_MIN_TOKENS``, by the FP8
+linear's quantisation launch before each GEMM; FP8 tensor cores; ``configs.default_w8a8_config`` tiles, decode and
+prefill).
 
 CPU tensors (and autograd, and block sizes without a power-of-two divisor >= 16) run the torch reference
 :func:`~.fp8_reference.fused_experts_fp8_ref`; ``MLA_FUSER_BACKEND`` forces a backend (``dispatch.use_triton``).
