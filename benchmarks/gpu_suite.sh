@@ -5,8 +5,8 @@
 #   bash benchmarks/gpu_suite.sh tests graph     # only the named steps
 # Steps: tests kernel moe moe_layer ssm model graph generate profile host mamba, and (not in the default set: run
 # them by name) serving modes fp8 fp8_sweeps host_generate fp8_experts fp8_tests step_kernels splits split_rows beam
-# tune host_gpu serving_http serving_ab fp8_decode tune_gemv fp8_w8a8 fp8_w8a8_tiles.  Each has its own time limit so
-# one slow step cannot eat the others.
+# tune host_gpu serving_http serving_ab fp8_decode tune_gemv fp8_w8a8 fp8_w8a8_tiles fp8_prequant.  Each has its own
+# time limit so one slow step cannot eat the others.
 set -u
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -91,6 +91,18 @@ want fp8_w8a8 && step 150 python3 benchmarks/profile_decode_step.py --fp8-weight
 want fp8_w8a8 && step 150 python3 benchmarks/bench_fp8_gemm.py --tokens 4,16,64 --out "$out/fp8_gemm_w8a8.json"
 want fp8_w8a8 && step 150 python3 benchmarks/profile_decode_step.py --fp8-weights --shapes 16x4096 \
            --ab-env MLA_FUSER_SPLITK_FIXUP --out "$out/profile_decode_step_fp8_splitk_fixup.json"
+# the FP8 experts' activations quantised before their GEMMs: below FP8_PREQUANT_MIN_TOKENS (3-8 tokens) and the
+# prefill tiles at 512 and 2048 tokens (the 64x64 tile was swept at 8192 only); then the whole model with every FP8
+# change in (generate at 1x512 and 16x4096, and the graphed step)
+want fp8_prequant && step 100 python3 benchmarks/bench_fp8_gemm.py --experts --tokens 3,4,8,16 \
+           --out "$out/fp8_experts_prequant_decode.json"
+want fp8_prequant && step 200 python3 benchmarks/bench_fp8_gemm.py --experts-sweep --experts-sweep-path aligned \
+           --experts-sweep-act-quant --experts-sweep-tokens 512,2048 --sweep-rep 10 \
+           --out "$out/fp8_experts_sweep_aligned_w8a8_prequant_512_2048.json"
+want fp8_prequant && step 200 python3 -m mla_fuser.cli bench --preset deepseek-v2-lite --device cuda --dtype bf16 \
+           --generate --fp8-weights --fp8-cache --shapes 1x512,16x4096 --steps 32 --out "$out/model_bench_fp8.json"
+want fp8_prequant && step 90 python3 benchmarks/profile_decode_step.py --fp8-weights --shapes 16x4096 \
+           --out "$out/profile_decode_step_fp8.json"
 # the MoE decode GEMVs' tiles: the full grid on V2-Lite, then its top tiles on V2-Lite and V3 shapes -> the table
 want tune_gemv && step 330 python3 benchmarks/tune_moe_gemv.py --jobs 14 --out "$out/moe_decode_gemv_sweep.json"
 want tune_gemv && step 200 python3 benchmarks/tune_moe_gemv.py --jobs 12 --shapes v2lite,v3 --top 10 \
