@@ -593,11 +593,13 @@ def run_experts_sweep(args, result, device, graph_ms, tokens):
     import torch
     from mla_fuser.kernels.fused_moe import fused_experts_fp8_ref, fused_experts_fp8_triton
 
+    from mla_fuser.kernels.fused_moe.configs import W8A8_DECODE_MAX_PAIRS
+
     act_quant = args.experts_sweep_act_quant
     layer = TINY_EXPERTS if args.dry_run else EXPERTS
 
     def tiles(t):
-        prefill = t * layer["topk"] / layer["num_experts"] > 32
+        prefill = t * layer["topk"] / layer["num_experts"] > W8A8_DECODE_MAX_PAIRS
         full = EXPERTS_SWEEP if not act_quant else (EXPERTS_W8A8_PREFILL_SWEEP if prefill else EXPERTS_W8A8_SWEEP)
         return [dict(c, BLOCK_K=16) for c in full[:2]] if args.dry_run else full
 

@@ -110,11 +110,13 @@ def _has_fp8_mma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
+def _cuda_index(x: torch.Tensor) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
 def has_fp8_tensor_cores(x: torch.Tensor) -> bool:
     """``x``'s GPU multiplies e4m3 on its tensor cores (compute capability >= 8.9); the interpreter stands in."""
-    if x.is_cuda:
-        return _has_fp8_mma(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    return triton_interpreting()
+    return _has_fp8_mma(_cuda_index(x)) if x.is_cuda else triton_interpreting()
 
 
 def gemv_block_n(block_n: int, wanted: int) -> int:
@@ -129,7 +131,7 @@ def choose_path(tokens: int, x: torch.Tensor, n: int, k: int, block_n: int, bloc
     """The path of one call of ``tokens`` rows of ``x`` on an ``[n, k]`` weight (see the module's docstring); the
     FP8 paths need FP8 tensor cores and ``MLA_FUSER_FP8_ACT_QUANT`` (read per call) not off."""
     fp8_mma = envs.fp8_act_quant() and has_fp8_tensor_cores(x)
-    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 0
+    sms = _sm_count(_cuda_index(x)) if x.is_cuda else 0
     return _path(tokens, n, k, block_n, block_k, fp8_mma, fp8_mma and x.dtype in W8A8_DTYPES, sms)
 
 
@@ -338,7 +340,7 @@ def w8_plan(m: int, n: int, k: int, block_n: int, block_k: int, dtype: torch.dty
     k_per_split = cdiv(k_tiles, max(1, splits)) * bk
     splits = cdiv(k, k_per_split)  # (no split starts past K)
     fixup = fixup and splits > 1 and grid_mn <= SPLIT_TICKETS
-    if cfg.act_quant and not (block_n > 0 and bk == qbk and qbk in W8A8_GROUPS and dtype != torch.float32):
+    if cfg.act_quant and not (block_n > 0 and bk == qbk and qbk in W8A8_GROUPS and dtype in W8A8_DTYPES):
         raise ValueError(f"W8A8 needs fp16/bf16 activations and a block-quantised weight whose bk ({block_k}) is "
                          f"one of {W8A8_GROUPS} and the K tile ({bk})")
     meta = dict(HAS_BIAS=has_bias and (splits == 1 or fixup), EVEN_K=k % bk == 0, DOT=cfg.dot, UPCAST=interpreting,

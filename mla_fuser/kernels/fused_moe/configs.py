@@ -76,6 +76,11 @@ def default_fp8_config(path: str, num_tokens: int, topk: int, num_experts: int, 
     return cfg
 
 
+# the W8A8 GEMMs' tile regimes by pairs per expert (``default_w8a8_config``): the decode tile up to the first bound,
+# the 64 x 128 prefill tile up to the second, the 64 x 64 one above
+W8A8_DECODE_MAX_PAIRS, W8A8_WIDE_TILE_MAX_PAIRS = 32, 128
+
+
 def default_w8a8_config(path: str, num_tokens: int, topk: int, num_experts: int) -> dict:
     """The block-FP8 experts' W8A8 GEMMs (``fp8_kernels``' ``ACT_QUANT``; the launch sets ``BLOCK_K`` to the
     quantisation block's ``bk``): 16 pairs by 64 weight columns (the transposed product's MMA rows: ``wgmma`` takes
@@ -91,9 +96,9 @@ def default_w8a8_config(path: str, num_tokens: int, topk: int, num_experts: int)
     ``fp8_experts_sweep_aligned_w8a8_prequant.json``; not timed there at 512 tokens, which keeps the tile it was timed
     with)."""
     pairs_per_expert = num_tokens * topk / max(1, num_experts)
-    if path == "small" or pairs_per_expert <= 32:
+    if path == "small" or pairs_per_expert <= W8A8_DECODE_MAX_PAIRS:
         tile = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
-    elif pairs_per_expert <= 128:
+    elif pairs_per_expert <= W8A8_WIDE_TILE_MAX_PAIRS:
         tile = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
     else:
         tile = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)

@@ -26,7 +26,7 @@ import torch
 from ... import envs
 from ..dispatch import cdiv, kernel_op, next_pow2, pow2_divisor, triton_interpreting, use_triton
 from ..fp8.linear import gemv_block_n as linear_gemv_block_n
-from ..fp8.linear import has_fp8_tensor_cores, quantize_token_groups
+from ..fp8.linear import W8A8_DTYPES, W8A8_GROUPS, has_fp8_tensor_cores, quantize_token_groups
 from .fp8_kernels import moe_w8_gemm_kernel
 from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
 from .launch import (_choose_path, _tiles, align_tokens_to_experts, gemv_down_max_tokens, launch_down_gemv,
@@ -62,15 +62,14 @@ FP8_ACT_QUANT_MIN_TOKENS, FP8_ACT_QUANT_MAX_TOKENS = 3, None
 # at 512, 0.72 vs 0.95 ms at 2048, 2.51 vs 3.34 at 8192 (bf16: 220, 271, 296, 315 us, 0.65, 1.99 ms).  Below 16
 # tokens not timed: the two extra launches stay out of the smallest decode steps.
 FP8_PREQUANT_MIN_TOKENS = 16
-# quantisation blocks' ``bk`` the W8A8 GEMMs take: one K tile is one activation group, and FP8 MMAs take K >= 32
-ACT_QUANT_GROUPS = (32, 64, 128)
 
 
 def act_quant_supported(hidden: torch.Tensor, gate_up_block, down_block) -> bool:
     """The W8A8 GEMMs can run: fp16/bf16 activations (fp32 ones keep the exact weight-only GEMMs), both stacks'
-    ``bk`` in ``ACT_QUANT_GROUPS``, FP8 tensor cores (or the interpreter)."""
-    return (hidden.dtype in (torch.bfloat16, torch.float16) and gate_up_block[1] in ACT_QUANT_GROUPS
-            and down_block[1] in ACT_QUANT_GROUPS and has_fp8_tensor_cores(hidden))
+    ``bk`` one of the FP8 linear's ``W8A8_GROUPS`` (one K tile is one activation group; FP8 MMAs take K >= 32), FP8
+    tensor cores (or the interpreter)."""
+    return (hidden.dtype in W8A8_DTYPES and gate_up_block[1] in W8A8_GROUPS and down_block[1] in W8A8_GROUPS
+            and has_fp8_tensor_cores(hidden))
 
 
 def choose_act_quant(hidden: torch.Tensor, num_tokens: int, gate_up_block, down_block) -> bool:
@@ -168,7 +167,7 @@ def fused_experts_fp8_triton(hidden, gate_up_w, gate_up_scale, down_w, down_scal
         act_quant = choose_act_quant(hidden, num_tokens, gate_up_block, down_block)
     elif act_quant and not act_quant_supported(hidden, gate_up_block, down_block):
         raise ValueError(f"the W8A8 expert GEMMs need fp16/bf16 activations (got {hidden.dtype}), K blocks in "
-                         f"{ACT_QUANT_GROUPS} (got {gate_up_block[1]}, {down_block[1]}) and FP8 tensor cores")
+                         f"{W8A8_GROUPS} (got {gate_up_block[1]}, {down_block[1]}) and FP8 tensor cores")
     if prequant is None:
         prequant = act_quant and num_tokens >= FP8_PREQUANT_MIN_TOKENS
     elif prequant and not act_quant:
