@@ -66,6 +66,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("MLA_FUSER_SPLITK_FIXUP", "switch", True,
              "`0` sums the split-K partials of the block-FP8 split-K GEMM in a second launch instead of in the last "
              "split of each output tile (the same result; one launch more per split GEMM)"),
+    Variable("MLA_FUSER_ROUTER_LOGITS_KERNEL", "switch", True,
+             "`0` computes a fused MoE router's logits with torch (fp32 copies of the hidden states and the gate, "
+             "cuBLAS) at decode sizes too, instead of in one launch of the logits kernel"),
     Variable("TRITON_INTERPRET", "switch", False,
              "Triton's own flag: run Triton kernels in its interpreter (how the tests run them on CPU)"),
 )}
@@ -170,6 +173,10 @@ def fp8_act_quant() -> bool:
 
 def splitk_fixup() -> bool:
     return bool(get("MLA_FUSER_SPLITK_FIXUP"))
+
+
+def router_logits_kernel() -> bool:
+    return bool(get("MLA_FUSER_ROUTER_LOGITS_KERNEL"))
 
 
 def moe_configs_path() -> str | None:

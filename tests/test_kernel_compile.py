@@ -176,3 +176,16 @@ def test_fp8_expert_w8a8_gemm_on_prequantised_activations_converts_nothing(gated
     assert _count(ptx, "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3") > 0
     assert _count(ptx, "cvt.rn.satfinite.e4m3x2.f32") == 0
     assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 0 and _count(ptx, "cvt.bf16.f16") == 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_router_logits_kernel_compiles(bias):
+    """The router logits: bf16 hidden states and gate widened in registers (no tensor cores, no fp32 copies), one
+    store of fp32 logits per program."""
+    from mla_fuser.kernels.moe_router import _logits_kernel, _logits_tiles
+
+    block_e, block_h = _logits_tiles(64, 2048)
+    pointers = {"X": "*bf16", "W": "*bf16", "BIAS": "*fp32", "OUT": "*fp32"}
+    ptx = _ptx(_logits_kernel, pointers, dict(BLOCK_E=block_e, BLOCK_H=block_h, HAS_BIAS=bias))
+    assert _count(ptx, "mma.sync") == 0 and "wgmma" not in ptx
+    assert _count(ptx, "cvt.f32.bf16") > 0 or _count(ptx, "shl.b32") > 0  # (bf16 -> fp32 is a shift in PTX)

@@ -100,3 +100,121 @@ def test_cpu_without_the_interpreter_runs_the_original():
         out = gate(x)
         want = plan_of(gate, "router").original(x)
     assert all(torch.equal(a, b) for a, b in zip(out, want)) and plan_of(gate, "router").verdicts == {}
+
+
+# ------------------------------------------------------------------------------------------- the logits kernel
+@pytest.mark.parametrize("rows,experts,hidden,dtype,bias", [
+    (1, 64, 2048, torch.bfloat16, False),  # DeepSeek-V2-Lite's gate, one decode row
+    (5, 20, 100, torch.float32, True),  # experts not a multiple of the block, hidden not a power of two
+    (3, 64, 3000, torch.float16, False),  # hidden past one 2048-wide pass
+])
+def test_logits_kernel_matches_its_twin(interp, rows, experts, hidden, dtype, bias):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    weight = torch.randn(experts, hidden, generator=g).to(dtype)
+    b = torch.randn(experts, generator=g) if bias else None
+    assert moe_router.logits_fit(x, weight, b)
+    got, want = moe_router.router_logits(x, weight, b), moe_router.router_logits_ref(x, weight, b)
+    assert got.dtype == torch.float32 and got.shape == (rows, experts)
+    total = torch.nn.functional.linear(x.float().abs(), weight.float().abs())
+    assert ((got - want).abs() <= rb.LOGITS_RTOL * total).all()
+    assert not torch.equal(got, torch.zeros_like(got))
+    # a row's logits do not depend on the rows beside it (one program per row and block of experts)
+    assert torch.equal(moe_router.router_logits_triton(x[-1:], weight, b), got[-1:])
+
+
+def test_logits_kernel_takes_few_rows_and_small_gates_only(interp):
+    x, weight = torch.randn(moe_router.LOGITS_MAX_ROWS, 64), torch.randn(8, 64)
+    assert moe_router.logits_fit(x, weight, None)
+    assert not moe_router.logits_fit(torch.randn(moe_router.LOGITS_MAX_ROWS + 1, 64), weight, None)
+    assert not moe_router.logits_fit(x, torch.randn(moe_router.LOGITS_MAX_WEIGHT // 64 + 1, 64), None)
+    assert not moe_router.logits_fit(x, weight.to(torch.float8_e4m3fn), None)
+    assert not moe_router.logits_fit(x, weight, torch.randn(7))
+
+
+def test_logits_kernel_off_the_interpreter_on_cpu_is_torch():
+    x, weight = torch.randn(2, 64), torch.randn(8, 64)
+    assert not moe_router.logits_fit(x, weight, None)
+    assert torch.equal(moe_router.router_logits(x, weight, None), moe_router.router_logits_ref(x, weight, None))
+
+
+def _logits_spy(monkeypatch):
+    calls = []
+    original = rb.router_logits_triton
+    monkeypatch.setattr(rb, "router_logits_triton", lambda *a: calls.append(a[0].shape[0]) or original(*a))
+    return calls
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_decode_rows_take_the_logits_kernel_prefill_rows_torch(interp, monkeypatch, switch):
+    """Few rows: logits from the kernel (its own verdict, checked against the original on its first call); more than
+    ``LOGITS_MAX_ROWS``: the traced ops' logits, bitwise.  ``MLA_FUSER_ROUTER_LOGITS_KERNEL=0``: torch always."""
+    monkeypatch.setenv("MLA_FUSER_ROUTER_LOGITS_KERNEL", switch)
+    calls = _logits_spy(monkeypatch)
+    fused = tiny_deepseek(attn="vllm_mla", layers=2)
+    mla_fuser.fuse(fused)
+    gate = _gate(fused)
+    g = torch.Generator().manual_seed(6)
+    few = torch.randn(3, fused.config.hidden_size, generator=g)
+    many = torch.randn(moe_router.LOGITS_MAX_ROWS + 1, fused.config.hidden_size, generator=g)
+    with torch.no_grad():
+        for x in (few, few, many, many):
+            logits, weights, ids = gate(x)
+            want = plan_of(gate, "router").original(x)
+            assert rb._same_sets((weights, ids), want[1:], torch.zeros(x.shape[0], dtype=torch.bool))
+            if x is many or switch == "0":
+                assert torch.equal(logits, want[0])
+    verdicts = plan_of(gate, "router").verdicts
+    assert sorted(kind[-1] for kind in verdicts) == ([False, True] if switch == "1" else [False])
+    assert all(verdicts.values())
+    assert calls == ([3, 3] if switch == "1" else [])  # the checking call, then a plain one
+
+
+def test_check_refuses_kernel_logits_beyond_summation_order(interp):
+    fused = tiny_deepseek(attn="vllm_mla", layers=2)
+    mla_fuser.fuse(fused)
+    gate = _gate(fused)
+    plan = plan_of(gate, "router")
+    x = torch.randn(4, fused.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits, weights, ids = plan.original(x)
+        tensors = plan.tensors(gate)
+        ours = plan.check(tensors, x, (logits, weights, ids), on_kernel=True)
+        assert ours is not None and rb._same_sets(ours[1:], (weights, ids), torch.zeros(4, dtype=torch.bool))
+        assert plan.check(tensors, x, (logits * (1 + 1e-3), weights, ids), on_kernel=True) is None
+        assert plan.check(tensors, x, (logits, weights * 1.01, ids), on_kernel=True) is None
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("experts,hidden,dtype", [(64, 2048, torch.bfloat16), (256, 7168, torch.float32)])
+def test_compiled_logits_kernel_matches_its_twin(rows, experts, hidden, dtype):
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(rows, hidden, generator=g).to("cuda", torch.bfloat16)
+    weight = (torch.randn(experts, hidden, generator=g) * hidden ** -0.5).to("cuda", dtype)
+    got, want = moe_router.router_logits_triton(x, weight, None), moe_router.router_logits_ref(x, weight, None)
+    total = torch.nn.functional.linear(x.float().abs(), weight.float().abs())
+    assert ((got - want).abs() <= rb.LOGITS_RTOL * total).all()
+    assert torch.equal(moe_router.router_logits_triton(x[-1:], weight, None), got[-1:])
+
+
+@cuda
+def test_compiled_router_adopts_the_logits_kernel_in_bf16():
+    """On a GPU in bf16: the first decode-sized call checks the two-launch router against the original and keeps it;
+    later calls route as the original does (sets per row, near-ties aside)."""
+    fused = tiny_deepseek(attn="vllm_mla", layers=2).to("cuda", torch.bfloat16)
+    mla_fuser.fuse(fused)
+    gate = _gate(fused)
+    plan = plan_of(gate, "router")
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for rows in (16, 16, 4):
+            x = torch.randn(rows, fused.config.hidden_size, generator=g).to("cuda", torch.bfloat16)
+            _, weights, ids = gate(x)
+            want = plan.original(x)
+            deviation = (plan.ours(plan.tensors(gate), x, True)[0] - want[0]).abs().amax(dim=-1)
+            assert rb._same_sets((weights, ids), want[1:], rb._near_ties(want[0], None, plan.params, deviation))
+    assert list(plan.verdicts.values()) == [True] and next(iter(plan.verdicts))[-1] is True

@@ -1,9 +1,13 @@
-"""MoE expert selection in one launch: scores from the router logits, optional group limit, top-k and the weight steps.
+"""MoE routing in two launches: the router logits, then expert selection (scores, optional group limit, top-k and
+the weight steps).
 
-Why a kernel: after the router's logits (``F.linear``, left to cuBLAS: it spreads the gate weight over many SMs), a
-replayed router is a row of small torch ops (``softmax``/``sigmoid``, the group mask, ``topk``, ``gather``,
-renormalisation, scaling): 3-10 launches per MoE layer.  A decode step at batch 1 is bound by launches, not bytes,
-so one program per token row does all of it in registers (``E <= MAX_EXPERTS``).
+Why kernels: a replayed router is a row of small torch ops: the fp32 casts of the hidden states (and of a 16-bit
+gate), ``F.linear`` (cuBLAS's fp32 GEMM plus its split-K reduction at decode sizes), ``softmax``/``sigmoid``, the
+group mask, ``topk``, ``gather``, renormalisation, scaling: 6-13 launches per MoE layer.  A decode step is bound by
+launches there, not bytes.  :func:`router_logits` computes a few rows' fp32 logits in one launch straight from the
+16-bit hidden states and gate (one program per row and block of experts, so even one row spreads the gate over
+many SMs); :func:`select_experts` does everything after the logits in one program per row, in registers
+(``E <= MAX_EXPERTS``).
 
 The math (all fp32, what DeepSeek-V2/V3 do; :func:`select_experts_ref` is the same in torch ops)::
 
@@ -31,16 +35,22 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, next_pow2, tl, use_triton
+from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, next_pow2, tl, use_triton
 
-__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "RouteParams", "scores_and_choice", "select_experts", "select_experts_ref",
-           "select_experts_triton"]
+__all__ = ["LOGITS_MAX_ROWS", "LOGITS_MAX_WEIGHT", "MAX_EXPERTS", "MAX_TOP_K", "RouteParams", "logits_fit",
+           "router_logits", "router_logits_ref", "router_logits_triton", "scores_and_choice", "select_experts",
+           "select_experts_ref", "select_experts_triton"]
 
 MAX_EXPERTS = 256  # the scores of one row stay in registers
 MAX_TOP_K = 16
 MAX_POST = 2  # scale / div steps after the renorm
-INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # a correction bias: loaded and widened to fp32
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # loaded and widened to fp32 (exact)
+# The logits kernel re-reads the gate weight (from L2) for every row: it is for a decode step's few rows; a
+# prefill's many rows, and gates far larger than DeepSeek-V2-Lite's 64 x 2048, stay on cuBLAS
+LOGITS_MAX_ROWS = 64
+LOGITS_MAX_WEIGHT = 1 << 19  # gate elements
 
 
 @dataclass(frozen=True)
@@ -237,3 +247,77 @@ def select_experts(logits: torch.Tensor, correction_bias: Optional[torch.Tensor]
             correction_bias is None or correction_bias.dtype in INPUT_DTYPES):
         return select_experts_triton(logits, correction_bias, p)
     return select_experts_ref(logits, correction_bias, p)
+
+
+# ---------------------------------------------------------------------------------------------------- the logits
+def logits_fit(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether :func:`router_logits` takes ``x [T, H]`` over ``weight [E, H]`` on its kernel: few rows
+    (``LOGITS_MAX_ROWS``), a gate of at most ``LOGITS_MAX_WEIGHT`` elements, 16/32-bit floats on one device."""
+    return (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and x.shape[0] <= LOGITS_MAX_ROWS
+            and weight.numel() <= LOGITS_MAX_WEIGHT and x.dtype in INPUT_DTYPES and weight.dtype in INPUT_DTYPES
+            and (bias is None or (bias.dtype in INPUT_DTYPES and bias.shape == weight.shape[:1]))
+            and x.device == weight.device and use_triton(x, weight))
+
+
+def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Torch twin of the logits kernel: ``F.linear`` of ``x`` and ``weight`` (and ``bias``) widened to fp32, what
+    DeepSeek-V2/V3's routers compute; ``[T, E]`` fp32."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+@LazyJit
+def _logits_kernel(X, W, BIAS, OUT, stride_x, stride_w, H, E,
+                   BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # One program per (row, block of experts): products summed per lane over the hidden chunks, then across lanes.
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    valid = e < E
+    acc = tl.full([BLOCK_E, BLOCK_H], 0.0, tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < H
+        xv = tl.load(X + row * stride_x + h, mask=hm, other=0.0).to(tl.float32)
+        wv = tl.load(W + e[:, None].to(tl.int64) * stride_w + h[None, :], mask=valid[:, None] & hm[None, :],
+                     other=0.0)
+        acc += wv.to(tl.float32) * xv[None, :]
+    logits = tl.reduce(acc, 1, SUM_COMBINE)
+    if HAS_BIAS:
+        logits += tl.load(BIAS + e, mask=valid, other=0.0).to(tl.float32)
+    tl.store(OUT + row * E + e, logits, mask=valid)
+
+
+@functools.lru_cache(maxsize=64)  # (asked at every call)
+def _logits_tiles(num_experts: int, hidden: int) -> tuple[int, int]:
+    """``(BLOCK_E, BLOCK_H)``: the whole hidden size in one pass up to 2048, a tile of 8K values, at most 4 experts
+    per program (so a one-row step still spreads the gate over 16 programs at 64 experts)."""
+    block_h = min(next_pow2(hidden), 2048)
+    return min(4, next_pow2(num_experts), max(1, 8192 // block_h)), block_h
+
+
+def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Triton path of :func:`router_logits` (no dispatch); hidden and gate rows are made unit-stride if needed."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    rows, hidden = x.shape
+    num_experts = weight.shape[0]
+    out = x.new_empty((rows, num_experts), dtype=torch.float32)
+    if rows == 0:
+        return out
+    block_e, block_h = _logits_tiles(num_experts, hidden)
+    _logits_kernel[(rows, cdiv(num_experts, block_e))](
+        x, weight, bias if bias is not None else weight, out, x.stride(0), weight.stride(0), hidden, num_experts,
+        BLOCK_E=block_e, BLOCK_H=block_h, HAS_BIAS=bias is not None, num_warps=4,
+    )
+    return out
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The router logits ``x @ weight.T (+ bias)`` in fp32 for ``x [T, H]``, ``weight [E, H]``: on the kernel where
+    :func:`logits_fit` says so (one launch, no fp32 copies of the hidden states or the gate), else
+    :func:`router_logits_ref`.  The kernel sums in another order than cuBLAS (a few fp32 ulps of the terms' total)
+    and its result does not depend on the number of rows."""
+    if logits_fit(x, weight, bias):
+        return router_logits_triton(x, weight, bias)
+    return router_logits_ref(x, weight, bias)

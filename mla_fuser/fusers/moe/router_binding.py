@@ -1,18 +1,21 @@
 """The router child of a fused MoE block, on one selection kernel once its first run shows the kernel computes it.
 
-DeepSeek-V2's router child (``self.gate(hidden)``) returns ``(logits, weights, ids)`` through ``F.linear``, softmax,
-``topk`` and a scale: six launches per layer in a decode step, three of them after the logits.  The block's match
+DeepSeek-V2's router child (``self.gate(hidden)``) returns ``(logits, weights, ids)`` through fp32 casts,
+``F.linear``, softmax, ``topk`` and a scale: about eight launches per layer in a decode step.  The block's match
 (``RouterSpec``) says what the routing computes; when that computation lives in one child that owns the router
-weight, this binds to that child *instance* a forward that keeps the logits on torch (the same ops: bitwise the
-same logits, cuBLAS spreading the weight over the SMs) and selects with ``kernels.moe_router.select_experts``
-(one launch).
+weight, this binds to that child *instance* a forward of two launches: the logits from ``kernels.moe_router``'s
+logits kernel (a decode step's few rows, ``moe_router.logits_fit``, unless ``MLA_FUSER_ROUTER_LOGITS_KERNEL=0``)
+or from the traced ops (many rows: the same ops, bitwise the same logits, cuBLAS spreading the weight over the SMs),
+then ``kernels.moe_router.select_experts``.
 
 Nothing is assumed about what the child returns: its first call on a GPU (or under Triton's interpreter) runs the
-original forward, and the binding is kept for that kind of call (input dtype, device) only if the original
-returned ``(logits, weights, ids)`` and (a) the logits equal ours bitwise, (b) the torch twin's experts and weights
-equal the original's as sets per row, (c) the kernel's equal the twin's except on rows where the last chosen and
-the first left out are within ``TIE_GAP`` (summation order may pick either there).  Otherwise (a router returning
-logits only, as DeepSeek-V3's does, or anything else) the original forward runs, always.  It also runs on CPU
+original forward, and the binding is kept for that kind of call (input dtype, device, which logits) only if the
+original returned ``(logits, weights, ids)`` and (a) the logits equal ours: bitwise from the traced ops, within
+``LOGITS_RTOL`` of the terms' absolute total from the kernel (fp32 summation order), (b) the torch twin's experts
+and weights on the original's logits equal the original's as sets per row, (c) ours equal the twin's except on
+rows where the last chosen and the first left out are within ``TIE_GAP`` (widened by the row's logit deviation:
+summation order may pick either there).  Otherwise (a router returning logits only, as DeepSeek-V3's does, or
+anything else) the original forward runs, always.  It also runs on CPU
 without the interpreter, under torch.compile, while autograd records, with other arguments, and on a first call
 made inside a CUDA-graph capture.  The kernel's ids come out by decreasing choice; the original's order is
 ``topk(sorted=False)``'s; the experts implementation sums them in any order.
@@ -26,16 +29,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ... import envs
 from ...fx_ops import attr_of
 from ...kernels.dispatch import use_triton
-from ...kernels.moe_router import (INPUT_DTYPES, MAX_POST, RouteParams, scores_and_choice, select_experts,
-                                   select_experts_ref)
+from ...kernels.moe_router import (INPUT_DTYPES, MAX_POST, RouteParams, logits_fit, router_logits_triton,
+                                   scores_and_choice, select_experts, select_experts_ref)
 from ...plans import plan_of, set_plan
 from ..base import bind_instance_forward
 from .specs import MoEMatch, RouterSpec
 
 _FP32 = torch.float32
 TIE_GAP = 1e-5  # relative margin below which a top-k boundary may legitimately fall either way
+# the logits kernel against the traced F.linear: at most this times the sum of the terms' magnitudes apart (fp32
+# summation orders differ by ~log2(hidden) ulps of that sum; 1e-5 is ~170 ulps)
+LOGITS_RTOL = 1e-5
 
 
 @functools.lru_cache(maxsize=64)
@@ -99,6 +106,17 @@ class _RouterPlan:
             logits = logits.to(dtype)
         return logits
 
+    def logits_on_kernel(self, tensors, flat) -> bool:
+        """Whether this call's logits come from the logits kernel: the traced casts are all to fp32 (what the
+        kernel computes in) and ``moe_router.logits_fit`` takes the rows and the gate."""
+        weight, bias, _ = tensors
+        return envs.router_logits_kernel() and logits_fit(flat, weight, bias)
+
+    def ours(self, tensors, flat, on_kernel: bool):
+        """This binding's ``(logits, weights, ids)`` for the rows ``flat [T, H]``."""
+        logits = router_logits_triton(flat, tensors[0], tensors[1]) if on_kernel else self.logits(tensors, flat)
+        return (logits, *select_experts(logits, tensors[2], self.params))
+
     def usable(self, tensors, x) -> bool:
         weight, _, correction = tensors
         return (x.dim() >= 2 and x.shape[-1] == weight.shape[-1] and x.device == weight.device
@@ -107,31 +125,43 @@ class _RouterPlan:
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
     @staticmethod
-    def kind(tensors, x):
-        return x.dtype, tensors[0].dtype, x.device.type
+    def kind(tensors, x, on_kernel: bool):
+        return x.dtype, tensors[0].dtype, x.device.type, on_kernel
 
-    def check(self, tensors, x, out):
-        """The kernel path's result on ``x`` when ``out`` (the original's) agrees with it (module docstring), else
-        None."""
+    def check(self, tensors, x, out, on_kernel: bool = False):
+        """This binding's result on ``x`` (logits from the kernel or not, ``on_kernel``) when ``out`` (the
+        original's) agrees with it (module docstring), else None."""
         if not (isinstance(out, tuple) and len(out) == 3 and all(type(t) is torch.Tensor for t in out)):
             return None
         logits_o, weights_o, ids_o = out
         flat = x.reshape(-1, x.shape[-1])
-        logits = self.logits(tensors, flat)
-        if logits_o.shape != logits.shape or not torch.equal(logits_o, logits):
+        ours = self.ours(tensors, flat, on_kernel)
+        logits = ours[0]
+        if logits_o.shape != logits.shape or logits_o.dtype != logits.dtype:
             return None
+        if on_kernel:
+            deviation = (logits - logits_o).abs()
+            bound = LOGITS_RTOL * F.linear(flat.float().abs(), tensors[0].float().abs(),
+                                           None if tensors[1] is None else tensors[1].float().abs())
+            if not bool((deviation <= bound).all()):
+                return None
+            deviation = deviation.amax(dim=-1)
+        elif not torch.equal(logits_o, logits):
+            return None
+        else:
+            deviation = None
         correction = tensors[2]
-        twin = select_experts_ref(logits, correction, self.params)
-        kernel = select_experts(logits, correction, self.params)
+        twin = select_experts_ref(logits_o, correction, self.params)
         k = self.params.top_k
         if weights_o.shape != (flat.shape[0], k) or ids_o.shape != weights_o.shape or ids_o.dtype != torch.int64 \
                 or weights_o.dtype != twin[0].dtype:
             return None
         if not _same_sets((weights_o, ids_o), twin, torch.zeros(flat.shape[0], dtype=torch.bool, device=x.device)):
             return None
-        if not _same_sets(kernel, twin, _near_ties(logits, correction, self.params)):
+        if not _same_sets(ours[1:], twin, _near_ties(logits_o, correction, self.params, deviation),
+                          slack=0.0 if deviation is None else 4 * float(deviation.max())):
             return None
-        return logits, *kernel
+        return ours
 
 
 def _as_sets(weights, ids):
@@ -139,26 +169,29 @@ def _as_sets(weights, ids):
     return weights.gather(-1, order), ids_sorted
 
 
-def _same_sets(got, want, excused) -> bool:
-    """The same experts with the same weights per row (fp32 summation order aside: 1e-5 relative, or one unit of a
-    16-bit output dtype, whose rounding that order may tip), rows in ``excused`` aside."""
+def _same_sets(got, want, excused, slack: float = 0.0) -> bool:
+    """The same experts with the same weights per row (fp32 summation order aside: 1e-5 relative plus ``slack``,
+    or one unit of a 16-bit output dtype, whose rounding that order may tip), rows in ``excused`` aside."""
     w_got, i_got = _as_sets(*got)
     w_want, i_want = _as_sets(*want)
     keep = ~excused
     if w_got.dtype != w_want.dtype or not torch.equal(i_got[keep], i_want[keep]):
         return False
-    rtol = max(1e-5, torch.finfo(w_want.dtype).eps)
+    rtol = max(1e-5 + slack, torch.finfo(w_want.dtype).eps)
     return torch.allclose(w_got[keep].float(), w_want[keep].float(), rtol=rtol, atol=1e-7)
 
 
-def _near_ties(logits, correction, params: RouteParams):
-    """Rows whose k-th and (k+1)-th choices (the twin's, before any group limit) are within ``TIE_GAP``."""
+def _near_ties(logits, correction, params: RouteParams, deviation=None):
+    """Rows whose k-th and (k+1)-th choices (the twin's, before any group limit) are within ``TIE_GAP``, plus four
+    times the row's largest logit ``deviation`` where given (a logit moved by d moves a softmax or sigmoid score by
+    at most 2d relative, both boundary choices included)."""
     k = params.top_k
     if k >= logits.shape[-1]:
         return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     _, choice = scores_and_choice(logits, correction, params)
     top = choice.topk(k + 1, dim=-1).values
-    return (top[:, k - 1] - top[:, k]).abs() <= TIE_GAP * top[:, k - 1].abs().clamp(min=1e-30)
+    gap = TIE_GAP if deviation is None else TIE_GAP + 4 * deviation
+    return (top[:, k - 1] - top[:, k]).abs() <= gap * top[:, k - 1].abs().clamp(min=1e-30)
 
 
 def _fused_router_forward(self: nn.Module, hidden_states, *args, **kwargs):
@@ -169,22 +202,22 @@ def _fused_router_forward(self: nn.Module, hidden_states, *args, **kwargs):
     tensors = plan.tensors(self)  # (the router's tensors, read once for this call)
     if not plan.usable(tensors, hidden_states):
         return plan.original(hidden_states)
-    kind = plan.kind(tensors, hidden_states)
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    on_kernel = plan.logits_on_kernel(tensors, flat)
+    kind = plan.kind(tensors, hidden_states, on_kernel)
     verdict = plan.verdicts.get(kind)
     if verdict is None:
         if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
             return plan.original(hidden_states)  # the check reads results back: not inside a capture
         out = plan.original(hidden_states)
-        ours = plan.check(tensors, hidden_states, out)
+        ours = plan.check(tensors, hidden_states, out, on_kernel)
         plan.verdicts[kind] = ours is not None
         # the checking call returns what every later call of its kind will (the kernel's routing once adopted:
         # a first call routed by torch and later ones by the kernel could order or round differently)
         return out if ours is None else ours
     if not verdict:
         return plan.original(hidden_states)
-    logits = plan.logits(tensors, hidden_states.reshape(-1, hidden_states.shape[-1]))
-    weights, ids = select_experts(logits, tensors[2], plan.params)
-    return logits, weights, ids
+    return plan.ours(tensors, flat, on_kernel)
 
 
 def bind_router(block: nn.Module, match: MoEMatch) -> str:

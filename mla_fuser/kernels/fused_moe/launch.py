@@ -59,11 +59,11 @@ def align_tokens_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: i
     num_blocks = max_padded // block_m
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=flat.device)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
-    num_post = torch.zeros(1, dtype=torch.int32, device=flat.device)
     if num_experts == 0 or num_pairs == 0:
         sorted_ids.fill_(num_pairs)
         expert_ids.fill_(-1)
-        return sorted_ids, expert_ids, num_post
+        return sorted_ids, expert_ids, torch.zeros(1, dtype=torch.int32, device=flat.device)
+    num_post = torch.empty(1, dtype=torch.int32, device=flat.device)  # (the kernel's program 0 writes it: no fill)
     chunk = min(1024, max(16, next_pow2(num_pairs)))
     moe_align_kernel[(num_experts,)](
         flat,
