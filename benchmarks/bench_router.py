@@ -85,6 +85,8 @@ def main(argv=None):
     ap.add_argument("--rows", default="1,4,16,64")
     ap.add_argument("--gates", default=",".join(GATES))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep-block-e", action="store_true", help="also the kernel at 1, 2, 4 and 8 experts per "
+                    "program, where the gate fits the kernel")
     ap.add_argument("--dry-run", action="store_true", help="without a GPU: every path once on CPU (with "
                     "TRITON_INTERPRET=1 and MLA_FUSER_BACKEND=triton for the kernels), two gate copies, no times")
     args = ap.parse_args(argv)
@@ -111,6 +113,11 @@ def main(argv=None):
                 lambda i: mr.select_experts(mr.router_logits_ref(x, gates[i], None), correction, p), copies)
             row["logits_kernel_us"] = graph_us(
                 lambda i: mr.select_experts(mr.router_logits_triton(x, gates[i], None), correction, p), copies)
+            if args.sweep_block_e and fits:
+                row["logits_kernel_us_by_block_e"] = {
+                    block_e: graph_us(lambda i, b=block_e: mr.select_experts(
+                        mr.router_logits_triton(x, gates[i], None, block_e=b), correction, p), copies)
+                    for block_e in (1, 2, 4, 8)}
             want = mr.router_logits_ref(x, gates[0], None)
             got = mr.router_logits_triton(x, gates[0], None)
             total = F.linear(x.float().abs(), gates[0].float().abs())

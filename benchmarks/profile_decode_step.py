@@ -13,6 +13,7 @@ total time, and the ordered kernels of one middle (MoE) layer, so that fusion ca
 
 import argparse
 import collections
+import importlib
 import json
 import os
 
@@ -123,7 +124,13 @@ def main():
     p.add_argument("--fp8-cache", action="store_true", help="a float8 latent cache")
     p.add_argument("--ab-env", default=None, help="a switch of ours (e.g. MLA_FUSER_OVERLAP_SHARED_EXPERTS): every "
                                                    "shape is profiled with it off, then on, in this process")
+    p.add_argument("--ab-attr", default=None, help="MODULE:NAME, a boolean constant of ours read when a step is "
+                                                    "captured (e.g. mla_fuser.fusers.moe.shared_overlap:"
+                                                    "SIDE_STREAM_AFTER_ROUTER): every shape profiled with it False, "
+                                                    "then True, in this process")
     args = p.parse_args()
+    if args.ab_env and args.ab_attr:
+        p.error("--ab-env and --ab-attr: one A/B at a time")
     from mla_fuser.presets import load_for_cli
 
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
@@ -137,14 +144,17 @@ def main():
     cache_dtype = torch.float8_e4m3fn if args.fp8_cache else None
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "preset": preset,
               "fp8_weights": args.fp8_weights, "fp8_cache": args.fp8_cache, "runs": []}
-    settings = [None] if args.ab_env is None else ["0", "1"]
+    settings = [None] if args.ab_env is None and args.ab_attr is None else ["0", "1"]
     for shape, setting in ((shape, setting) for shape in args.shapes.split(",") for setting in settings):
         batch, length = (int(v) for v in shape.split("x"))
-        if setting is not None:
+        if setting is not None and args.ab_env:
             os.environ[args.ab_env] = setting  # (read when the step is captured)
+        elif setting is not None:
+            module, name = args.ab_attr.split(":")
+            setattr(importlib.import_module(module), name, setting == "1")
         row = profile_shape(model, batch, length, args.replays, device, layers, cache_dtype)
         if setting is not None:
-            row["env"] = {args.ab_env: setting}
+            row["env"] = {args.ab_env or args.ab_attr: setting}
         result["runs"].append(row)
         print(f"{shape} {row.get('env', '')}: {row.get('ms_per_replay') or 0:.3f} ms/replay, "
               f"{row['kernels_per_step']:.0f} kernels/step, rotary {row['rotary_recipes']}, router kernel {row['router_on_kernel']}, "

@@ -184,8 +184,8 @@ def test_router_logits_kernel_compiles(bias):
     store of fp32 logits per program."""
     from mla_fuser.kernels.moe_router import _logits_kernel, _logits_tiles
 
-    block_e, block_h = _logits_tiles(64, 2048)
+    block_e, block_h, warps = _logits_tiles(64, 2048)
     pointers = {"X": "*bf16", "W": "*bf16", "BIAS": "*fp32", "OUT": "*fp32"}
-    ptx = _ptx(_logits_kernel, pointers, dict(BLOCK_E=block_e, BLOCK_H=block_h, HAS_BIAS=bias))
+    ptx = _ptx(_logits_kernel, pointers, dict(BLOCK_E=block_e, BLOCK_H=block_h, HAS_BIAS=bias), num_warps=warps)
     assert _count(ptx, "mma.sync") == 0 and "wgmma" not in ptx
     assert _count(ptx, "cvt.f32.bf16") > 0 or _count(ptx, "shl.b32") > 0  # (bf16 -> fp32 is a shift in PTX)

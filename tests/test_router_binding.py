@@ -124,9 +124,11 @@ def test_logits_kernel_matches_its_twin(interp, rows, experts, hidden, dtype, bi
 
 
 def test_logits_kernel_takes_few_rows_and_small_gates_only(interp):
-    x, weight = torch.randn(moe_router.LOGITS_MAX_ROWS, 64), torch.randn(8, 64)
+    x, weight = torch.randn(16, 64), torch.randn(8, 64)
     assert moe_router.logits_fit(x, weight, None)
-    assert not moe_router.logits_fit(torch.randn(moe_router.LOGITS_MAX_ROWS + 1, 64), weight, None)
+    rows = moe_router.LOGITS_MAX_WORK // weight.numel()
+    assert moe_router.logits_fit(torch.empty(rows, 64), weight, None)
+    assert not moe_router.logits_fit(torch.empty(rows + 1, 64), weight, None)
     assert not moe_router.logits_fit(x, torch.randn(moe_router.LOGITS_MAX_WEIGHT // 64 + 1, 64), None)
     assert not moe_router.logits_fit(x, weight.to(torch.float8_e4m3fn), None)
     assert not moe_router.logits_fit(x, weight, torch.randn(7))
@@ -147,16 +149,17 @@ def _logits_spy(monkeypatch):
 
 @pytest.mark.parametrize("switch", ["1", "0"])
 def test_decode_rows_take_the_logits_kernel_prefill_rows_torch(interp, monkeypatch, switch):
-    """Few rows: logits from the kernel (its own verdict, checked against the original on its first call); more than
-    ``LOGITS_MAX_ROWS``: the traced ops' logits, bitwise.  ``MLA_FUSER_ROUTER_LOGITS_KERNEL=0``: torch always."""
+    """Few rows: logits from the kernel (its own verdict, checked against the original on its first call); more rows
+    than ``LOGITS_MAX_WORK`` allows for the gate: the traced ops' logits, bitwise.  ``MLA_FUSER_ROUTER_LOGITS_KERNEL=0``: torch always."""
     monkeypatch.setenv("MLA_FUSER_ROUTER_LOGITS_KERNEL", switch)
     calls = _logits_spy(monkeypatch)
     fused = tiny_deepseek(attn="vllm_mla", layers=2)
     mla_fuser.fuse(fused)
     gate = _gate(fused)
     g = torch.Generator().manual_seed(6)
+    monkeypatch.setattr(moe_router, "LOGITS_MAX_WORK", 8 * _gate(fused).weight.numel())  # (8 rows, here)
     few = torch.randn(3, fused.config.hidden_size, generator=g)
-    many = torch.randn(moe_router.LOGITS_MAX_ROWS + 1, fused.config.hidden_size, generator=g)
+    many = torch.randn(9, fused.config.hidden_size, generator=g)
     with torch.no_grad():
         for x in (few, few, many, many):
             logits, weights, ids = gate(x)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, next_pow2, tl, use_triton
 
-__all__ = ["LOGITS_MAX_ROWS", "LOGITS_MAX_WEIGHT", "MAX_EXPERTS", "MAX_TOP_K", "RouteParams", "logits_fit",
+__all__ = ["LOGITS_MAX_WEIGHT", "LOGITS_MAX_WORK", "MAX_EXPERTS", "MAX_TOP_K", "RouteParams", "logits_fit",
            "router_logits", "router_logits_ref", "router_logits_triton", "scores_and_choice", "select_experts",
            "select_experts_ref", "select_experts_triton"]
 
@@ -48,9 +48,12 @@ MAX_TOP_K = 16
 MAX_POST = 2  # scale / div steps after the renorm
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # loaded and widened to fp32 (exact)
 # The logits kernel re-reads the gate weight (from L2) for every row: it is for a decode step's few rows; a
-# prefill's many rows, and gates far larger than DeepSeek-V2-Lite's 64 x 2048, stay on cuBLAS
-LOGITS_MAX_ROWS = 64
-LOGITS_MAX_WEIGHT = 1 << 19  # gate elements
+# prefill's many rows, and gates far larger than DeepSeek-V2's 160 x 5120, stay on cuBLAS.  Measured on an H200
+# (benchmarks/results/router_logits.json, logits + selection against fp32 copies + cuBLAS + selection): the kernel
+# wins up to about 2^24 row-times-gate elements (V2-Lite 64 x 2048: 128 rows; GLM-4.5-Air's 128 x 4096 and V2's
+# 160 x 5120: 16 rows) and loses beyond; V3's fp32 256 x 7168 gate loses even at one row
+LOGITS_MAX_WEIGHT = 1 << 20  # gate elements
+LOGITS_MAX_WORK = 1 << 24  # rows x gate elements
 
 
 @dataclass(frozen=True)
@@ -251,10 +254,12 @@ def select_experts(logits: torch.Tensor, correction_bias: Optional[torch.Tensor]
 
 # ---------------------------------------------------------------------------------------------------- the logits
 def logits_fit(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    """Whether :func:`router_logits` takes ``x [T, H]`` over ``weight [E, H]`` on its kernel: few rows
-    (``LOGITS_MAX_ROWS``), a gate of at most ``LOGITS_MAX_WEIGHT`` elements, 16/32-bit floats on one device."""
-    return (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and x.shape[0] <= LOGITS_MAX_ROWS
-            and weight.numel() <= LOGITS_MAX_WEIGHT and x.dtype in INPUT_DTYPES and weight.dtype in INPUT_DTYPES
+    """Whether :func:`router_logits` takes ``x [T, H]`` over ``weight [E, H]`` on its kernel: a gate of at most
+    ``LOGITS_MAX_WEIGHT`` elements, at most ``LOGITS_MAX_WORK`` rows times gate elements, 16/32-bit floats on one
+    device."""
+    return (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+            and weight.numel() <= LOGITS_MAX_WEIGHT and x.shape[0] * weight.numel() <= LOGITS_MAX_WORK
+            and x.dtype in INPUT_DTYPES and weight.dtype in INPUT_DTYPES
             and (bias is None or (bias.dtype in INPUT_DTYPES and bias.shape == weight.shape[:1]))
             and x.device == weight.device and use_triton(x, weight))
 
@@ -286,16 +291,22 @@ def _logits_kernel(X, W, BIAS, OUT, stride_x, stride_w, H, E,
     tl.store(OUT + row * E + e, logits, mask=valid)
 
 
+LOGITS_BLOCK_E = 4  # experts per program: a one-row step still spreads V2-Lite's gate over 16 programs
+
+
 @functools.lru_cache(maxsize=64)  # (asked at every call)
-def _logits_tiles(num_experts: int, hidden: int) -> tuple[int, int]:
-    """``(BLOCK_E, BLOCK_H)``: the whole hidden size in one pass up to 2048, a tile of 8K values, at most 4 experts
-    per program (so a one-row step still spreads the gate over 16 programs at 64 experts)."""
+def _logits_tiles(num_experts: int, hidden: int, block_e: int = LOGITS_BLOCK_E) -> tuple[int, int, int]:
+    """``(BLOCK_E, BLOCK_H, num_warps)``: the whole hidden size in one pass up to 2048, ``block_e`` experts per
+    program (fewer where the gate has fewer), 8 warps from a 16K-value tile."""
     block_h = min(next_pow2(hidden), 2048)
-    return min(4, next_pow2(num_experts), max(1, 8192 // block_h)), block_h
+    block_e = min(block_e, next_pow2(num_experts))
+    return block_e, block_h, 8 if block_e * block_h >= 16384 else 4
 
 
-def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """Triton path of :func:`router_logits` (no dispatch); hidden and gate rows are made unit-stride if needed."""
+def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         block_e: int = LOGITS_BLOCK_E) -> torch.Tensor:
+    """Triton path of :func:`router_logits` (no dispatch); hidden and gate rows are made unit-stride if needed.
+    ``block_e``: experts per program (a power of two; the benchmark's sweep)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if weight.stride(-1) != 1:
@@ -305,10 +316,10 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     out = x.new_empty((rows, num_experts), dtype=torch.float32)
     if rows == 0:
         return out
-    block_e, block_h = _logits_tiles(num_experts, hidden)
+    block_e, block_h, warps = _logits_tiles(num_experts, hidden, block_e)
     _logits_kernel[(rows, cdiv(num_experts, block_e))](
         x, weight, bias if bias is not None else weight, out, x.stride(0), weight.stride(0), hidden, num_experts,
-        BLOCK_E=block_e, BLOCK_H=block_h, HAS_BIAS=bias is not None, num_warps=4,
+        BLOCK_E=block_e, BLOCK_H=block_h, HAS_BIAS=bias is not None, num_warps=warps,
     )
     return out
 
