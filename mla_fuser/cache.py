@@ -37,6 +37,7 @@ import math
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
+from .cache_moves import CountsMoves
 from .cache_reorder import reorder_in_place
 from .kernels.dispatch import on_device, use_triton
 from .kernels.latent_fp8 import FP8_DTYPE, dequantise_rows, is_fp8, packed_width, raw
@@ -51,11 +52,13 @@ class CachePoolExhausted(RuntimeError):
     """The page pool of a paged latent cache cannot hold the requested tokens."""
 
 
-class PagePool:
-    """Pages of one layer: one tensor and a free list (page ids).
+class PagePool(CountsMoves):
+    """Pages of one layer: one tensor and a free list (page ids).  ``moves``: how often ``pages`` was replaced.
 
     A ``growable`` pool (the automatic cache of ``generate``) doubles instead of raising when it runs out;
     a sized pool (``max_cache_tokens`` / ``memory_fraction``) never moves, so its addresses stay fixed."""
+
+    _WATCHED = frozenset({"pages"})
 
     def __init__(self, num_pages: int, page_size: int, width: int, dtype, device, growable: bool = False):
         if num_pages <= 0:
@@ -135,9 +138,10 @@ class PagedView:
         return self.layer.gather()
 
 
-class PagedLatentLayer(CacheLayerMixin):
+class PagedLatentLayer(CountsMoves, CacheLayerMixin):
     """One fused MLA layer's paged latent: per sequence a block table (page ids) and a length."""
 
+    _WATCHED = frozenset({"pool", "tables", "block_table", "seq_lens", "starts", "_nan_rows"})
     is_sliding = False
     is_croppable = True
     is_compileable = False
@@ -211,6 +215,12 @@ class PagedLatentLayer(CacheLayerMixin):
         pages = None if self.pool is None else self.pool.pages
         held = (pages, self.tables, self.block_table, self.seq_lens, self.starts, *(self._nan_rows or ()))
         return [t for t in held if t is not None]
+
+    def layout_key(self) -> tuple[int, int]:
+        """Changes whenever the memory :meth:`buffers` names moves (this layer's or its pool's ``moves``): what a
+        captured step checks before each replay, in two attribute reads."""
+        pool = self.pool
+        return self.moves, -1 if pool is None else pool.moves
 
     def advance(self, tokens: int = 1) -> None:
         """Record on the host that every sequence grew by ``tokens`` (a replayed step's kernels did it on the device)."""

@@ -307,3 +307,43 @@ def test_several_token_steps_need_paged_layers_only():
     step = DecodeGraph(model, cache, capture=False)
     with pytest.raises(ValueError, match="paged latent layers only"):
         step(ids[:, :3], torch.arange(6, 9).view(1, -1))
+
+
+def test_memory_that_moves_is_seen_and_a_new_view_of_the_same_memory_is_not():
+    """Before each replay the step compares the cache layers' ``layout_key``: moves counted as buffers are assigned.
+    A pool swapped for a copy, a grown pool or a new block table is a new layout (on CUDA: a capture again); the same
+    memory viewed again is not (a false move would recapture every step)."""
+    _, fused = _fused_pair()
+    cache = PagedLatentCache(fused, static=True, max_seq_len=12, page_size=4, max_cache_tokens=64)
+    step = DecodeGraph(fused, cache, capture=False)
+    with torch.no_grad():
+        fused(input_ids=_prompt(length=5), **{KW: cache}, use_cache=True)
+    token = torch.full((2, 1), 5)
+    step(token, torch.full((2, 1), 5))
+    step(token, torch.full((2, 1), 6))
+    assert step.layouts == 1
+    layer = cache.layers[1]
+    key = layer.layout_key()
+    layer.block_table = layer.tables[: layer.block_table.numel()].view(layer.block_table.shape)  # (same memory)
+    layer.seq_lens = layer.tables[layer.block_table.numel():]
+    assert layer.layout_key() == key
+    step(token, torch.full((2, 1), 7))
+    assert step.layouts == 1
+    layer.pool.pages = layer.pool.pages.clone()  # (what a grown pool does, too)
+    assert layer.layout_key() != key
+    step(token, torch.full((2, 1), 8))
+    assert step.layouts == 2
+    layer.tables = layer.tables.clone()
+    step(token, torch.full((2, 1), 9))
+    assert step.layouts == 3
+
+
+def test_a_grown_pool_counts_a_move():
+    from mla_fuser.cache import PagePool
+
+    pool = PagePool(2, 4, 8, torch.float32, "cpu", growable=True)
+    first = pool.moves  # (the first pages count as one: memory where there was none)
+    pool.allocate(2)
+    assert pool.moves == first
+    pool.allocate(1)  # (doubles: new pages tensor)
+    assert pool.moves == first + 1 and pool.num_pages == 4

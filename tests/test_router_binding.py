@@ -119,8 +119,12 @@ def test_logits_kernel_matches_its_twin(interp, rows, experts, hidden, dtype, bi
     total = torch.nn.functional.linear(x.float().abs(), weight.float().abs())
     assert ((got - want).abs() <= rb.LOGITS_RTOL * total).all()
     assert not torch.equal(got, torch.zeros_like(got))
-    # a row's logits do not depend on the rows beside it (one program per row and block of experts)
-    assert torch.equal(moe_router.router_logits_triton(x[-1:], weight, b), got[-1:])
+    # a row's logits do not depend on the rows beside it (one program per row and block of experts), for one tile
+    assert torch.equal(moe_router.router_logits_triton(x[-1:], weight, b, block_e=2),
+                       moe_router.router_logits_triton(x, weight, b, block_e=2)[-1:])
+    for block_e in (1, 2, 8):
+        tiled = moe_router.router_logits_triton(x, weight, b, block_e=block_e)
+        assert ((tiled - want).abs() <= rb.LOGITS_RTOL * total).all()
 
 
 def test_logits_kernel_takes_few_rows_and_small_gates_only(interp):
@@ -201,7 +205,9 @@ def test_compiled_logits_kernel_matches_its_twin(rows, experts, hidden, dtype):
     got, want = moe_router.router_logits_triton(x, weight, None), moe_router.router_logits_ref(x, weight, None)
     total = torch.nn.functional.linear(x.float().abs(), weight.float().abs())
     assert ((got - want).abs() <= rb.LOGITS_RTOL * total).all()
-    assert torch.equal(moe_router.router_logits_triton(x[-1:], weight, None), got[-1:])
+    for block_e in (1, 8):  # (a row alone gives the bits it gets among others, with the same tile)
+        assert torch.equal(moe_router.router_logits_triton(x[-1:], weight, None, block_e=block_e),
+                           moe_router.router_logits_triton(x, weight, None, block_e=block_e)[-1:])
 
 
 @cuda

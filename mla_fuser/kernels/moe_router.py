@@ -291,11 +291,15 @@ def _logits_kernel(X, W, BIAS, OUT, stride_x, stride_w, H, E,
     tl.store(OUT + row * E + e, logits, mask=valid)
 
 
-LOGITS_BLOCK_E = 4  # experts per program: a one-row step still spreads V2-Lite's gate over 16 programs
+# experts per program: one up to LOGITS_FEW_ROWS rows (every expert's row of the gate in its own program: the most
+# loads in flight), eight above (fewer re-reads of each row's hidden states).  H200 sweep of 1, 2, 4 and 8
+# (router_logits_block_e.json, logits + selection): V2-Lite's gate 4.7 / 5.1 / 6.1 / 4.9 us at one row, 8.2 / 7.5 /
+# 9.2 / 7.4 at 64 rows
+LOGITS_FEW_ROWS = 16
 
 
 @functools.lru_cache(maxsize=64)  # (asked at every call)
-def _logits_tiles(num_experts: int, hidden: int, block_e: int = LOGITS_BLOCK_E) -> tuple[int, int, int]:
+def _logits_tiles(num_experts: int, hidden: int, block_e: int) -> tuple[int, int, int]:
     """``(BLOCK_E, BLOCK_H, num_warps)``: the whole hidden size in one pass up to 2048, ``block_e`` experts per
     program (fewer where the gate has fewer), 8 warps from a 16K-value tile."""
     block_h = min(next_pow2(hidden), 2048)
@@ -304,9 +308,9 @@ def _logits_tiles(num_experts: int, hidden: int, block_e: int = LOGITS_BLOCK_E) 
 
 
 def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         block_e: int = LOGITS_BLOCK_E) -> torch.Tensor:
+                         block_e: int | None = None) -> torch.Tensor:
     """Triton path of :func:`router_logits` (no dispatch); hidden and gate rows are made unit-stride if needed.
-    ``block_e``: experts per program (a power of two; the benchmark's sweep)."""
+    ``block_e``: experts per program (a power of two; default: 1 up to ``LOGITS_FEW_ROWS`` rows, else 8)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if weight.stride(-1) != 1:
@@ -316,6 +320,8 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     out = x.new_empty((rows, num_experts), dtype=torch.float32)
     if rows == 0:
         return out
+    if block_e is None:
+        block_e = 1 if rows <= LOGITS_FEW_ROWS else 8
     block_e, block_h, warps = _logits_tiles(num_experts, hidden, block_e)
     _logits_kernel[(rows, cdiv(num_experts, block_e))](
         x, weight, bias if bias is not None else weight, out, x.stride(0), weight.stride(0), hidden, num_experts,
@@ -328,7 +334,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """The router logits ``x @ weight.T (+ bias)`` in fp32 for ``x [T, H]``, ``weight [E, H]``: on the kernel where
     :func:`logits_fit` says so (one launch, no fp32 copies of the hidden states or the gate), else
     :func:`router_logits_ref`.  The kernel sums in another order than cuBLAS (a few fp32 ulps of the terms' total)
-    and its result does not depend on the number of rows."""
+    and, for one tile (``block_e``), its result for a row does not depend on the rows beside it."""
     if logits_fit(x, weight, bias):
         return router_logits_triton(x, weight, bias)
     return router_logits_ref(x, weight, bias)

@@ -14,8 +14,9 @@ that changes lives in device memory at fixed addresses:
 * the inputs: ``input_ids`` and ``position_ids`` are copied into static buffers before each replay.
 
 The host-side bookkeeping that the captured Python code did once (the paged layers' host lengths) is rolled back
-after capture and advanced by one token after every replay.  Addresses are checked before each replay: if a cache
-moved its memory (a pool grew, a batch changed), the step is captured again, never replayed on stale addresses.
+after capture and advanced by one token after every replay.  The memory is checked before each replay (paged layers
+by the moves they count as buffers are replaced, other layers by their tensors' addresses): if a cache moved its
+memory (a pool grew, a batch changed), the step is captured again, never replayed on stale addresses.
 
 A step may also feed a few tokens per sequence at once (up to ``MAX_STEP_TOKENS``: assisted and prompt-lookup
 verification), over a cache of paged layers only.  Their count is rounded up to a bucket (1, 2, 4, 8, 16) so a few
@@ -121,6 +122,7 @@ class DecodeGraph:
         self._batch = None
         self._check_layers()
         self._paged = [layer for layer in self.cache.layers if isinstance(layer, PagedLatentLayer)]
+        self._other = [layer for layer in self.cache.layers if not isinstance(layer, PagedLatentLayer)]
 
     # ------------------------------------------------------------------ checks
     def _check_layers(self):
@@ -176,7 +178,10 @@ class DecodeGraph:
                     raise RuntimeError(_NOT_PREFILLED)
 
     def _current_addresses(self):
-        return tuple(t.data_ptr() for layer in self.cache.layers for t in _layer_tensors(layer))
+        """What the memory of the step's cache layers looks like: paged layers by their ``layout_key`` (their moves,
+        counted as they happen), other layers by every tensor's address."""
+        return (tuple(layer.layout_key() for layer in self._paged),
+                tuple(t.data_ptr() for layer in self._other for t in _layer_tensors(layer)))
 
     # ------------------------------------------------------------------ running
     def _forward(self, input_ids, position_ids):

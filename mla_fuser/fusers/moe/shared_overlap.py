@@ -8,17 +8,15 @@ parallel branch of the graph: the replay pays nothing for it.  Eager launches wo
 only captured steps (``kernels.dispatch.launches_are_free``: a capture, or the eager warm-up step before it) overlap.
 
 How, without touching the block's forward: a forward pre-hook on the block records an event on the current stream
-when the block starts (its input is ready) and remembers the input's storage until the block returns; where the
-router lives in a child module, that child's forward hook records the event again once the router's kernels are
-queued (``SIDE_STREAM_AFTER_ROUTER``), so the side branch starts beside the routed experts rather than beside the
-router (a few-row router's small kernels are on the step's critical path, and ran slower sharing the GPU with the
-shared MLP's GEMVs); a pre-hook on
+when the block starts (its input is ready) and remembers the input's storage until the block returns; a pre-hook on
 each shared expert that the match found reading the block's input (``SharedExpert``) checks that the tensor it gets
 is that input (same storage, a view of it included), makes a side stream wait for the event and makes it current; its
 forward hook (``always_call``: it runs when the MLP raises, too) makes the block's stream current again and has it
 wait for the side stream, so whatever the block does with the shared output (the add) comes after the shared work.
 The match accounts for every op of the block (it fails closed), and none writes the block's input in place, so the
-input the side stream reads is the one the event covers.  Anything else (a
+input the side stream reads is the one the event covers.  (Making the side stream wait for the router instead, so
+that the router's few-row kernels run alone, measured slower on an H200: 2.29 against 2.35 ms per B=1 step of the
+FP8 V2-Lite-shaped model, 2.71 against 2.84 in bf16, ``profile_decode_step_*_fork.json``.)  Anything else (a
 different tensor, CPU, a compiled region, ``MLA_FUSER_OVERLAP_SHARED_EXPERTS=0``) runs as before, on one stream.
 The kernels are the same ones either way, so the results are bitwise the same.  On a machine without CUDA no hooks
 are attached (they would cost each MoE call a few microseconds for nothing: ~2.5% of the tiny preset's CPU decode).
@@ -69,9 +67,6 @@ class _CudaStreams:
 
 
 STREAMS = _CudaStreams()
-# the side stream waits for the router (its child module's forward hook), not for the block's start; read when a
-# step is captured (benchmarks flip it for an A/B)
-SIDE_STREAM_AFTER_ROUTER = True
 
 
 class SharedOverlapPlan:
@@ -110,16 +105,6 @@ def _block_ends(block: nn.Module, args, output) -> None:
     plan_of(block, "shared_overlap").started = None  # (a later call of a shared expert alone never waits on it)
 
 
-def _router_ends(router: nn.Module, args, output) -> None:
-    if torch.compiler.is_compiling():
-        return
-    plan = plan_of(router, "shared_overlap")
-    if not SIDE_STREAM_AFTER_ROUTER or plan.started is None or plan.switched is not None:
-        return
-    pointer, device, _ = plan.started  # (a later event on the same stream: the input is still covered)
-    plan.started = (pointer, device, STREAMS.record_event(device))
-
-
 def _shared_starts(shared: nn.Module, args) -> None:
     if torch.compiler.is_compiling():
         return
@@ -152,20 +137,6 @@ def _shared_ends(shared: nn.Module, args, output) -> None:
         STREAMS.used_on(output, main)
 
 
-def _router_child(block: nn.Module, match: MoEMatch) -> nn.Module | None:
-    """The child module the router's linear lives in (the linear itself, or the module owning its weight), or None
-    when the block applies the router weight itself or the child is shared with another block's plan."""
-    spec = match.router
-    path = spec.linear if spec.linear_is_module else (spec.linear.rsplit(".", 1)[0] if "." in spec.linear else None)
-    if not path:
-        return None
-    try:
-        child = block.get_submodule(path)
-    except AttributeError:
-        return None
-    return child if plan_of(child, "shared_overlap") is None else None
-
-
 def cuda_present() -> bool:
     return torch.cuda.is_available()
 
@@ -182,10 +153,6 @@ def attach_shared_overlap(block: nn.Module, match: MoEMatch) -> str:
     set_plan(block, "shared_overlap", plan)
     plan.handles.append(block.register_forward_pre_hook(_block_starts))
     plan.handles.append(block.register_forward_hook(_block_ends, always_call=True))
-    router = _router_child(block, match)
-    if router is not None:
-        set_plan(router, "shared_overlap", plan)
-        plan.handles.append(router.register_forward_hook(_router_ends))
     for name in names:
         shared = block.get_submodule(name)
         set_plan(shared, "shared_overlap", plan)
