@@ -14,7 +14,8 @@ of this script only, undone at the end):
 * ``hf_after_forward``: from our forward's return to the next sync (logits, processors, argmax, stopping
   criteria: launched while the GPU runs the step; Transformers' ``StopCheck`` waits for the GPU in here).
 
-``parts``: median microseconds of a few calls inside those phases (``prepare_inputs_for_generation``,
+``parts``: median microseconds of a few calls inside those phases (Transformers' ``prepare_inputs_for_generation``
+where it runs: the prefill, and every step unless ``GraphedForward`` prepares the replayed steps' inputs itself;
 ``_update_model_kwargs_for_generation``, our ``_positions``, ``_check_step``, ``_current_addresses``).
 
 The GPU idles for about ``hf_before_forward + ours_before_replay + replay_launch`` per step plus the step's tail of
@@ -27,6 +28,7 @@ small kernels.  ``generate_ms_per_step`` and ``bare_replay_ms`` are measured in 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -50,6 +52,7 @@ class Marks:
         original = getattr(owner, attr)
         found = self.durations.setdefault(attr, [])
 
+        @functools.wraps(original)  # (signature checks see the original's)
         def wrapper(*args, **kwargs):
             began = time.perf_counter()
             try:
@@ -66,6 +69,7 @@ class Marks:
     def wrap(self, owner, attr: str, before: str, after: str):
         original = getattr(owner, attr)
 
+        @functools.wraps(original)
         def wrapper(*args, **kwargs):
             self.mark(before)
             try:

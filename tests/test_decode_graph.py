@@ -128,6 +128,59 @@ def test_generate_replays_decode_steps_through_the_graphed_forward():
                                             do_sample=False))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_replayed_steps_get_their_inputs_without_transformers_prepare(monkeypatch, padded):
+    """During a graphed call, the decode steps' inputs are prepared by ``GraphedForward``: the same keys and values as
+    Transformers' own ``prepare_inputs_for_generation`` gives for the same arguments (the last ids and positions as
+    views), which runs for the prefill only.  The tokens equal native generate's; the instance is as it was after."""
+    from transformers.generation.utils import GenerationMixin
+
+    from mla_fuser.runtime import generate as runtime_generate
+    from mla_fuser.runtime.generate import GraphedForward
+    from conftest import left_padded_prompts
+
+    native, fused = _fused_pair()
+    fallbacks, compared = [], []
+    real = runtime_generate._prepare_step_inputs
+
+    def spy(graphed, input_ids, **kwargs):
+        out = real(graphed, input_ids, **kwargs)
+        if kwargs.get("next_sequence_length") == 1:
+            want = GenerationMixin.prepare_inputs_for_generation(fused, input_ids, **kwargs)
+            assert set(out) == set(want)
+            assert all(torch.equal(out[k], want[k]) if isinstance(want[k], torch.Tensor) else out[k] is want[k]
+                       or out[k] == want[k] for k in want)
+            compared.append(sorted(out))
+        return out
+
+    monkeypatch.setattr(runtime_generate, "_prepare_step_inputs", spy)
+    ids, mask = left_padded_prompts([3, 8, 5], seed=9) if padded else (_prompt(length=6), None)
+    mask = torch.ones_like(ids) if mask is None else mask
+    cache = PagedLatentCache.static_for(fused, ids.shape[0], ids.shape[1] + 13, page_size=4)
+    with GraphedForward(fused, cache, move_padding=mask if padded else None) as graphed:
+        original = graphed._original_prepare
+        assert original is not None and "prepare_inputs_for_generation" in fused.__dict__
+        graphed._original_prepare = lambda *a, **k: fallbacks.append(k.get("next_sequence_length")) or original(*a,
+                                                                                                            **k)
+        out = fused.generate(ids, attention_mask=mask, **{KW: cache}, max_new_tokens=12, do_sample=False)
+    assert graphed.steps == 11 and len(compared) == 11 and "input_ids" in compared[0]
+    assert fallbacks == [ids.shape[1]]  # (the prefill)
+    assert "forward" not in fused.__dict__ and "prepare_inputs_for_generation" not in fused.__dict__
+    assert torch.equal(out, native.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
+
+
+def test_a_model_s_own_prepare_inputs_is_left_alone():
+    from mla_fuser.runtime.generate import GraphedForward
+
+    _, fused = _fused_pair()
+    own = fused.prepare_inputs_for_generation
+    fused.prepare_inputs_for_generation = own  # (an instance's own, as a user might set)
+    cache = PagedLatentCache.static_for(fused, 2, 20, page_size=4)
+    with GraphedForward(fused, cache) as graphed:
+        assert graphed._original_prepare is None and fused.prepare_inputs_for_generation is own
+    assert fused.prepare_inputs_for_generation is own
+
+
 def test_left_padded_generate_through_the_graphed_forward_equals_native():
     """A left-padded batch: the cache carries the padding (set_left_padding), the graphed decode steps get no
     mask and the decode kernel skips the padding; positions come from generate's own position ids."""

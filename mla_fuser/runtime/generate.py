@@ -315,6 +315,12 @@ class GraphedForward:
         self.original = self.model.forward
         self._signature = inspect.signature(self.original)  # generate asks for it on every step
         self.model.forward = self
+        self._previous_prepare = self.model.__dict__.get("prepare_inputs_for_generation", _NOTHING)
+        self._original_prepare = None
+        if _plain_prepare(self.model):
+            self._original_prepare = self.model.prepare_inputs_for_generation
+            self.model.prepare_inputs_for_generation = _with_signature(
+                types.MethodType(_prepare_step_inputs, self), self._original_prepare)
         return self
 
     def __exit__(self, *exc):
@@ -322,6 +328,11 @@ class GraphedForward:
             del self.model.__dict__["forward"]
         else:
             self.model.forward = self.previous
+        if self._original_prepare is not None:
+            if self._previous_prepare is _NOTHING:
+                del self.model.__dict__["prepare_inputs_for_generation"]
+            else:
+                self.model.prepare_inputs_for_generation = self._previous_prepare
         return False
 
     @property
@@ -382,6 +393,56 @@ class GraphedForward:
         # ``cache_params=`` to ``cache=``), the field order is what the class itself defines
         values = {"logits": logits, self.cache_field: self.cache}
         return self.output_type(*(values.get(name) for name in self.output_type.__dataclass_fields__))
+
+
+_NOTHING = object()
+# what Transformers (5.2x) hands ``prepare_inputs_for_generation`` on a decode step of a causal LM, besides the ids
+_STEP_INPUTS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "use_cache"})
+
+
+def _plain_prepare(model) -> bool:
+    """Whether ``model`` prepares its step inputs with Transformers' generic ``prepare_inputs_for_generation`` of the
+    releases that slice by ``next_sequence_length`` (a model class's own, or an older release's, is left alone)."""
+    from transformers.generation.utils import GenerationMixin
+
+    generic = getattr(GenerationMixin, "prepare_inputs_for_generation", None)
+    return (generic is not None and getattr(type(model), "prepare_inputs_for_generation", None) is generic
+            and "prepare_inputs_for_generation" not in model.__dict__
+            and "next_sequence_length" in inspect.signature(generic).parameters
+            and not getattr(model.config, "is_encoder_decoder", False))
+
+
+def _with_signature(fn, like):
+    """``fn`` answering ``inspect.signature`` with ``like``'s (generate checks its keyword arguments against it)."""
+    def prepare(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    prepare.__signature__ = inspect.signature(like)
+    return prepare
+
+
+def _prepare_step_inputs(graphed: "GraphedForward", input_ids, next_sequence_length=None, **kwargs):
+    """Transformers' ``prepare_inputs_for_generation`` for the decode steps :class:`GraphedForward` replays, in a few
+    dictionary operations: the same keys and values, the last token's ids and positions as views (the generic
+    version clones them, a host cost the GPU waits for; the replay copies them into its own buffers anyway).  Any
+    other call (prefill, several tokens, another cache, embeddings, an argument outside ``_STEP_INPUTS``) goes to
+    Transformers' own."""
+    keyword = graphed.keyword
+    if (next_sequence_length != 1 or kwargs.get(keyword) is not graphed.cache or graphed.output_type is None
+            or kwargs.get("is_first_iteration") or kwargs.get("inputs_embeds") is not None
+            or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2
+            or input_ids.device != graphed.graph.device or kwargs.get("use_cache", True) is False
+            or any(k not in _STEP_INPUTS and k not in (keyword, "is_first_iteration", "inputs_embeds")
+                   for k in kwargs)):
+        return graphed._original_prepare(input_ids, next_sequence_length=next_sequence_length, **kwargs)
+    inputs = {"input_ids": input_ids[:, -1:], keyword: graphed.cache}
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids[..., -1:]
+    for key in ("attention_mask", "logits_to_keep", "use_cache"):
+        if kwargs.get(key) is not None:
+            inputs[key] = kwargs[key]
+    return inputs
 
 
 def _cache_field(output, cache) -> str | None:

@@ -1,4 +1,4 @@
-"""The router child of a fused MoE block, on one selection kernel once its first run shows the kernel computes it.
+"""The router child of a fused MoE block, on the logits and selection kernels once its first run shows they compute it.
 
 DeepSeek-V2's router child (``self.gate(hidden)``) returns ``(logits, weights, ids)`` through fp32 casts,
 ``F.linear``, softmax, ``topk`` and a scale: about eight launches per layer in a decode step.  The block's match
@@ -239,9 +239,10 @@ def bind_router(block: nn.Module, match: MoEMatch) -> str:
     if not params.fits(attr_of(block, spec.linear).shape[0]):
         return "router on torch (more experts or a larger top-k than the selection kernel holds)"
     if isinstance(plan_of(child, "router"), _RouterPlan):
-        return "router child on the selection kernel once checked (already)"
+        return "router child on the logits and selection kernels once checked (already)"
     original, why_not = bind_instance_forward(child, _fused_router_forward)
     if original is None:
         return f"router on torch ({why_not})"
     set_plan(child, "router", _RouterPlan(original, spec, params, prefix))
-    return f"router child {prefix[:-1]!r} on the selection kernel once its first GPU call agrees"
+    return (f"router child {prefix[:-1]!r} on the logits and selection kernels once its first GPU call of each kind "
+            "agrees")
