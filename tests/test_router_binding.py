@@ -64,12 +64,17 @@ def test_router_runs_on_the_kernel_and_tokens_equal_native(interp, monkeypatch, 
     assert len(calls) >= 2 * 6  # two MoE layers, every step after the first check
 
 
-def test_check_refuses_outputs_that_are_not_logits_weights_ids(interp):
+def _checked_gate(rows: int, seed: int):
+    """A fused tiny DeepSeek-V2's router child, its plan and ``rows`` random hidden states."""
     fused = tiny_deepseek(attn="vllm_mla", layers=2)
     mla_fuser.fuse(fused)
     gate = _gate(fused)
-    plan = plan_of(gate, "router")
-    x = torch.randn(5, fused.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(rows, fused.config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    return gate, plan_of(gate, "router"), x
+
+
+def test_check_refuses_outputs_that_are_not_logits_weights_ids(interp):
+    gate, plan, x = _checked_gate(5, 3)
     with torch.no_grad():
         logits, weights, ids = plan.original(x)
         assert plan.check(plan.tensors(gate), x, (logits, weights, ids)) is not None
@@ -178,11 +183,7 @@ def test_decode_rows_take_the_logits_kernel_prefill_rows_torch(interp, monkeypat
 
 
 def test_check_refuses_kernel_logits_beyond_summation_order(interp):
-    fused = tiny_deepseek(attn="vllm_mla", layers=2)
-    mla_fuser.fuse(fused)
-    gate = _gate(fused)
-    plan = plan_of(gate, "router")
-    x = torch.randn(4, fused.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    gate, plan, x = _checked_gate(4, 7)
     with torch.no_grad():
         logits, weights, ids = plan.original(x)
         tensors = plan.tensors(gate)
