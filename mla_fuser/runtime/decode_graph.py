@@ -283,8 +283,8 @@ class DecodeGraph:
             self._pool = None  # (the dropped graphs' pool goes with them; a capture into its handle would fail)
         if bucket.graph is None:
             self._capture(bucket)
-        bucket.ids.copy_(input_ids, non_blocking=True)
-        bucket.positions.copy_(position_ids, non_blocking=True)
+        # (one multi-tensor launch for both inputs: host time here is time the GPU waits for in generate's loop)
+        torch._foreach_copy_([bucket.ids, bucket.positions], [input_ids, position_ids], non_blocking=True)
         if size > 1:
             self._pad.fill_(size - tokens)
         bucket.graph.replay()
