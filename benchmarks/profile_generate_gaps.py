@@ -122,8 +122,10 @@ class Marks:
                 found[name].append((t[b] - t[a]) * 1e6)
         steps = len(found["sync_wait"])
         parts = {name: statistics.median(v) if v else None for name, v in self.durations.items()}
-        return {"steps": steps, **{name: statistics.median(v) if v else None for name, v in found.items()},
-                "parts": parts}
+        syncs = [t for n, t in self.events if n == "sync_begin"]
+        periods = [(b - a) * 1e3 for a, b in zip(syncs[2:], syncs[3:])]  # (steady steps: after the capture)
+        return {"steps": steps, "median_step_ms": statistics.median(periods) if periods else None,
+                **{name: statistics.median(v) if v else None for name, v in found.items()}, "parts": parts}
 
 
 def bare_replay_ms(model, batch, length, device, steps=30) -> float:
