@@ -19,7 +19,9 @@ where it runs: the prefill, and every step unless ``GraphedForward`` prepares th
 ``_update_model_kwargs_for_generation``, our ``_positions``, ``_check_step``, ``_current_addresses``).
 
 The GPU idles for about ``hf_before_forward + ours_before_replay + replay_launch`` per step plus the step's tail of
-small kernels.  ``generate_ms_per_step`` and ``bare_replay_ms`` are measured in the same process.
+small kernels.  ``generate_ms_per_step`` (two calls that differ by ``--new-tokens`` - 8 steps), ``bare_replay_ms`` and
+``generate_fixed_ms_per_call`` (what a call costs besides its steps: prefill, eager first step, capture) are measured
+in the same process.
 
     python benchmarks/profile_generate_gaps.py --shapes 1x512,16x4096 [--fp8-weights] --out gaps.json
     python benchmarks/profile_generate_gaps.py --dry-run     # CPU, tiny preset (the step runs eagerly there)
@@ -174,7 +176,8 @@ def generate_ms(model, batch, length, device, new_tokens, marks: Marks | None = 
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - began)
-    return (times[1] - times[0]) * 1e3 / (new_tokens - 8)
+    step = (times[1] - times[0]) * 1e3 / (new_tokens - 8)
+    return step, times[0] * 1e3 - 7 * step  # (per step; a call's fixed cost: prefill, eager first step, capture)
 
 
 def main(argv=None):
@@ -202,9 +205,12 @@ def main(argv=None):
         batch, length = (int(v) for v in shape.split("x"))
         marks = Marks()
         row = {"batch": batch, "context": length, "new_tokens": args.new_tokens,
-               "generate_ms_per_step": generate_ms(model, batch, length, device, args.new_tokens, marks),
+               "generate_ms_per_step": None, "generate_fixed_ms_per_call": None,
                "bare_replay_ms": bare_replay_ms(model, batch, length, device) if device == "cuda" else None,
-               "host_us": marks.phases()}
+               "host_us": None}
+        row["generate_ms_per_step"], row["generate_fixed_ms_per_call"] = generate_ms(model, batch, length, device,
+                                                                                     args.new_tokens, marks)
+        row["host_us"] = marks.phases()
         rows.append(row)
         print(json.dumps(row), flush=True)
         if device == "cuda":
