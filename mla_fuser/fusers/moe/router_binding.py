@@ -182,16 +182,17 @@ def _same_sets(got, want, excused, slack: float = 0.0) -> bool:
 
 
 def _near_ties(logits, correction, params: RouteParams, deviation=None):
-    """Rows whose k-th and (k+1)-th choices (the twin's, before any group limit) are within ``TIE_GAP``, plus four
-    times the row's largest logit ``deviation`` where given (a logit moved by d moves a softmax or sigmoid score by
-    at most 2d relative, both boundary choices included)."""
+    """Rows whose k-th and (k+1)-th choices (the twin's, before any group limit) are within ``TIE_GAP`` relative,
+    plus four times the row's largest logit ``deviation`` absolute where given (logits moved by at most d move a
+    softmax or sigmoid score by at most 2d relative, so by at most 2d absolute as scores are at most 1; a
+    correction bias moves both boundary choices alike)."""
     k = params.top_k
     if k >= logits.shape[-1]:
         return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     _, choice = scores_and_choice(logits, correction, params)
     top = choice.topk(k + 1, dim=-1).values
-    gap = TIE_GAP if deviation is None else TIE_GAP + 4 * deviation
-    return (top[:, k - 1] - top[:, k]).abs() <= gap * top[:, k - 1].abs().clamp(min=1e-30)
+    gap = TIE_GAP * top[:, k - 1].abs().clamp(min=1e-30)
+    return (top[:, k - 1] - top[:, k]).abs() <= (gap if deviation is None else gap + 4 * deviation)
 
 
 def _fused_router_forward(self: nn.Module, hidden_states, *args, **kwargs):
