@@ -400,3 +400,19 @@ def test_a_grown_pool_counts_a_move():
     assert pool.moves == first
     pool.allocate(1)  # (doubles: new pages tensor)
     assert pool.moves == first + 1 and pool.num_pages == 4
+
+
+def test_a_layer_whose_lengths_differ_from_the_first_is_checked_on_its_own():
+    _, fused = _fused_pair()
+    cache = PagedLatentCache(fused, static=True, max_seq_len=8, page_size=4, max_cache_tokens=64)
+    step = DecodeGraph(fused, cache, capture=False)
+    with torch.no_grad():
+        fused(input_ids=_prompt(length=5), **{KW: cache}, use_cache=True)
+    step._check_step(2)
+    last = cache.layers[-1]
+    saved = last.host_lens
+    last.rewind([8, 5])  # (only this layer full: the first layer's lengths alone would pass)
+    with pytest.raises(CachePoolExhausted, match="full"):
+        step._check_step(2)
+    last.rewind(saved)
+    step._check_step(2)

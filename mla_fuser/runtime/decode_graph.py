@@ -157,11 +157,15 @@ class DecodeGraph:
         return None if bucket is None else bucket.graph
 
     def _check_step(self, batch: int, tokens: int = 1):
-        """Every step, one pass over the layers: the cache was prefilled, holds this batch and has room for the
-        step's ``tokens`` (a replay past a full static cache would write out of range)."""
-        for layer in self.cache.layers:
-            if isinstance(layer, PagedLatentLayer):
-                lens = layer.host_lens  # (read, not copied: this runs before every replay)
+        """Every step: the cache was prefilled, holds this batch and has room for the step's ``tokens`` (a replay
+        past a full static cache would write out of range).  Paged layers advance together, so their lengths are
+        checked once where every layer holds the first one's (compared, not recomputed: this runs before every
+        replay, while the GPU waits), and layer by layer otherwise."""
+        paged = self._paged
+        if paged:
+            first = paged[0].host_lens  # (read, not copied)
+            for layer in paged if any(layer.host_lens != first for layer in paged[1:]) else paged[:1]:
+                lens = layer.host_lens
                 longest = max(lens) if lens else 0
                 if longest == 0:
                     raise RuntimeError(_NOT_PREFILLED)
@@ -171,11 +175,11 @@ class DecodeGraph:
                     raise CachePoolExhausted(
                         f"static paged latent cache sized for {self.cache.max_seq_len} tokens per sequence is full"
                     )
-            else:
-                started = getattr(layer, "has_previous_state", {})  # per state index
-                values = list(started.values()) if isinstance(started, dict) else list(started)
-                if not values or not all(values):
-                    raise RuntimeError(_NOT_PREFILLED)
+        for layer in self._other:
+            started = getattr(layer, "has_previous_state", {})  # per state index
+            values = list(started.values()) if isinstance(started, dict) else list(started)
+            if not values or not all(values):
+                raise RuntimeError(_NOT_PREFILLED)
 
     def _current_addresses(self):
         """What the memory of the step's cache layers looks like: paged layers by their ``layout_key`` (their moves,
