@@ -215,11 +215,11 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "preset": preset,
-              "fp8_weights": args.fp8_weights, "phases": list(PHASES), "rows": rows}
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=2)
+        result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "preset": preset,
+                  "fp8_weights": args.fp8_weights, "phases": list(PHASES), "rows": rows}
+        if args.out:  # (after every shape: a run cut short keeps what it measured)
+            with open(args.out, "w") as fh:
+                json.dump(result, fh, indent=2)
 
 
 if __name__ == "__main__":
