@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import statistics
 import time
@@ -187,6 +188,10 @@ def main(argv=None):
     p.add_argument("--fp8-weights", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny preset, one small shape")
+    p.add_argument("--ab-attr", default=None, help="MODULE:NAME, a boolean constant of ours (e.g. mla_fuser.runtime."
+                                                    "decode_graph:ONE_LAUNCH_INPUT_COPY, mla_fuser.runtime.generate:"
+                                                    "PREPARE_STEP_INPUTS): every shape measured with it False, then "
+                                                    "True, in this process")
     args = p.parse_args(argv)
     from mla_fuser.presets import load_for_cli
 
@@ -201,10 +206,15 @@ def main(argv=None):
 
         runtime_generate.graphs_possible = lambda model: True
     rows = []
-    for shape in args.shapes.split(","):
+    settings = [None] if args.ab_attr is None else [False, True]
+    for shape, setting in ((shape, setting) for shape in args.shapes.split(",") for setting in settings):
         batch, length = (int(v) for v in shape.split("x"))
+        if setting is not None:
+            module, name = args.ab_attr.split(":")
+            setattr(importlib.import_module(module), name, setting)
         marks = Marks()
         row = {"batch": batch, "context": length, "new_tokens": args.new_tokens,
+               **({} if setting is None else {"ab": {args.ab_attr: setting}}),
                "generate_ms_per_step": None, "generate_fixed_ms_per_call": None,
                "bare_replay_ms": bare_replay_ms(model, batch, length, device) if device == "cuda" else None,
                "host_us": None}

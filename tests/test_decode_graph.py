@@ -169,10 +169,15 @@ def test_replayed_steps_get_their_inputs_without_transformers_prepare(monkeypatc
     assert torch.equal(out, native.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
 
 
-def test_a_model_s_own_prepare_inputs_is_left_alone():
+def test_a_model_s_own_prepare_inputs_is_left_alone(monkeypatch):
+    from mla_fuser.runtime import generate as runtime_generate
     from mla_fuser.runtime.generate import GraphedForward
 
     _, fused = _fused_pair()
+    monkeypatch.setattr(runtime_generate, "PREPARE_STEP_INPUTS", False)  # (the benchmarks' A/B: nothing bound)
+    with GraphedForward(fused, PagedLatentCache.static_for(fused, 2, 20, page_size=4)) as graphed:
+        assert graphed._original_prepare is None and "prepare_inputs_for_generation" not in fused.__dict__
+    monkeypatch.setattr(runtime_generate, "PREPARE_STEP_INPUTS", True)
     own = fused.prepare_inputs_for_generation
     fused.prepare_inputs_for_generation = own  # (an instance's own, as a user might set)
     cache = PagedLatentCache.static_for(fused, 2, 20, page_size=4)

@@ -44,6 +44,11 @@ from ..compat import cache_keyword
 from ..kernels.dispatch import graph_warmup
 
 
+# the step's ids and positions copied into the graph's buffers in one multi-tensor launch rather than two copies
+# (the same bytes; read at each replay: benchmarks flip it for a same-process A/B of the host time)
+ONE_LAUNCH_INPUT_COPY = True
+
+
 def step_bucket(tokens: int) -> int:
     """The token count a step of ``tokens`` per sequence runs as: 1, else the next power of two (at most 16)."""
     return 1 if tokens <= 1 else min(MAX_STEP_TOKENS, 1 << (tokens - 1).bit_length())
@@ -287,8 +292,11 @@ class DecodeGraph:
             self._pool = None  # (the dropped graphs' pool goes with them; a capture into its handle would fail)
         if bucket.graph is None:
             self._capture(bucket)
-        # (one multi-tensor launch for both inputs: host time here is time the GPU waits for in generate's loop)
-        torch._foreach_copy_([bucket.ids, bucket.positions], [input_ids, position_ids], non_blocking=True)
+        if ONE_LAUNCH_INPUT_COPY:  # (host time here is time the GPU waits for in generate's loop)
+            torch._foreach_copy_([bucket.ids, bucket.positions], [input_ids, position_ids], non_blocking=True)
+        else:
+            bucket.ids.copy_(input_ids, non_blocking=True)
+            bucket.positions.copy_(position_ids, non_blocking=True)
         if size > 1:
             self._pad.fill_(size - tokens)
         bucket.graph.replay()

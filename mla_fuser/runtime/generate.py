@@ -396,6 +396,9 @@ class GraphedForward:
 
 
 _NOTHING = object()
+# graphed calls prepare their replayed steps' inputs themselves (read when a call starts: benchmarks flip it for a
+# same-process A/B of the host time)
+PREPARE_STEP_INPUTS = True
 # what Transformers (5.2x) hands ``prepare_inputs_for_generation`` on a decode step of a causal LM, besides the ids
 _STEP_INPUTS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "use_cache"})
 
@@ -406,7 +409,7 @@ def _plain_prepare(model) -> bool:
     from transformers.generation.utils import GenerationMixin
 
     generic = getattr(GenerationMixin, "prepare_inputs_for_generation", None)
-    return (generic is not None and getattr(type(model), "prepare_inputs_for_generation", None) is generic
+    return (PREPARE_STEP_INPUTS and generic is not None and getattr(type(model), "prepare_inputs_for_generation", None) is generic
             and "prepare_inputs_for_generation" not in model.__dict__
             and "next_sequence_length" in inspect.signature(generic).parameters
             and not getattr(model.config, "is_encoder_decoder", False))
