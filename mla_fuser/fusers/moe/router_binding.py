@@ -32,8 +32,8 @@ from torch import nn
 from ... import envs
 from ...fx_ops import attr_of
 from ...kernels.dispatch import use_triton
-from ...kernels.moe_router import (INPUT_DTYPES, MAX_POST, RouteParams, logits_fit, router_logits_triton,
-                                   scores_and_choice, select_experts, select_experts_ref)
+from ...kernels.moe_router import (INPUT_DTYPES, MAX_POST, RouteParams, logits_fit, router_logits_ref,
+                                   router_logits_triton, scores_and_choice, select_experts, select_experts_ref)
 from ...plans import plan_of, set_plan
 from ..base import bind_instance_forward
 from .specs import MoEMatch, RouterSpec
@@ -139,17 +139,16 @@ class _RouterPlan:
         logits = ours[0]
         if logits_o.shape != logits.shape or logits_o.dtype != logits.dtype:
             return None
+        deviation = None  # (per row, where the kernel's logits may differ from the traced ones)
         if on_kernel:
-            deviation = (logits - logits_o).abs()
-            bound = LOGITS_RTOL * F.linear(flat.float().abs(), tensors[0].float().abs(),
-                                           None if tensors[1] is None else tensors[1].float().abs())
-            if not bool((deviation <= bound).all()):
+            weight, bias, _ = tensors  # (the terms' absolute total: the twin on magnitudes)
+            total = router_logits_ref(flat.abs(), weight.abs(), None if bias is None else bias.abs())
+            apart = (logits - logits_o).abs()
+            if not bool((apart <= LOGITS_RTOL * total).all()):
                 return None
-            deviation = deviation.amax(dim=-1)
+            deviation = apart.amax(dim=-1)
         elif not torch.equal(logits_o, logits):
             return None
-        else:
-            deviation = None
         correction = tensors[2]
         twin = select_experts_ref(logits_o, correction, self.params)
         k = self.params.top_k
