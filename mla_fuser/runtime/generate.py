@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import types
 import weakref
@@ -319,8 +320,9 @@ class GraphedForward:
         self._original_prepare = None
         if _plain_prepare(self.model):
             self._original_prepare = self.model.prepare_inputs_for_generation
-            self.model.prepare_inputs_for_generation = _with_signature(
-                types.MethodType(_prepare_step_inputs, self), self._original_prepare)
+            prepare = functools.partial(_prepare_step_inputs, self)
+            prepare.__signature__ = inspect.signature(self._original_prepare)  # (generate checks its kwargs by it)
+            self.model.prepare_inputs_for_generation = prepare
         return self
 
     def __exit__(self, *exc):
@@ -413,15 +415,6 @@ def _plain_prepare(model) -> bool:
             and "prepare_inputs_for_generation" not in model.__dict__
             and "next_sequence_length" in inspect.signature(generic).parameters
             and not getattr(model.config, "is_encoder_decoder", False))
-
-
-def _with_signature(fn, like):
-    """``fn`` answering ``inspect.signature`` with ``like``'s (generate checks its keyword arguments against it)."""
-    def prepare(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    prepare.__signature__ = inspect.signature(like)
-    return prepare
 
 
 def _prepare_step_inputs(graphed: "GraphedForward", input_ids, next_sequence_length=None, **kwargs):
