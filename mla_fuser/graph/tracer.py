@@ -168,6 +168,9 @@ class MetaTracer(fx.Tracer):
         return self._meta_params[key]
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        if name is None and kind == "call_function" and not hasattr(target, "__name__"):
+            name = type(target).__name__.lower()  # (a callable object, e.g. a ``kernels`` function module: fx names
+            #                                        nodes after ``__name__``)
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         node = proxy.node
         self._computing_meta = True

@@ -27,7 +27,6 @@ The biggest single concern of the package, so it has its own module; it only rea
 
 from __future__ import annotations
 
-import inspect
 import operator
 
 import torch
@@ -38,11 +37,20 @@ from ... import graph as g
 from ...fx_ops import computes_rmsnorm, op_name
 from ..base import NoMatch
 from .specs import MambaMatch
-from .trace import depthwise_conv, kernel_entries
+from .trace import depthwise_conv, entry_signature, kernel_entries
 
 
 def _is_split(node) -> bool:
     return isinstance(node, fx.Node) and op_name(node) in ("split", "chunk")
+
+
+def _whole_first_piece(node) -> bool:
+    """``torch.tensor_split(x, ...)[0]`` that is all of ``x`` (the same shape)."""
+    if not (node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0
+            and isinstance(node.args[0], fx.Node) and op_name(node.args[0]) == "tensor_split"):
+        return False
+    whole, piece = g.meta_val(node.args[0].args[0]), g.meta_val(node)
+    return isinstance(whole, torch.Tensor) and isinstance(piece, torch.Tensor) and whole.shape == piece.shape
 
 
 class Analysis:
@@ -70,8 +78,13 @@ class Analysis:
                 if piece is None:
                     piece = (node.args[0], node.args[1])
                 node = node.args[0]
+            elif _whole_first_piece(node):  # Transformers 5.25's scans split off their last tokens: here none
+                self.seen.add(node.args[0])
+                node = node.args[0].args[0]
             elif g.is_shape_op(node):
                 node = node.args[0]
+            elif op_name(node) == "cat" and isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 1:
+                node = node.args[0][0]  # (the same: a join of one piece)
             else:
                 break
         return node, piece
@@ -130,7 +143,7 @@ class Analysis:
         self.seen.update((conv, scan))
         a_log = self.a_log_of(_positional(scan, 2))
         conv_mod = self.conv_module(conv)
-        conv_args = inspect.signature(conv.target).bind(*conv.args, **conv.kwargs)
+        conv_args = entry_signature(conv.target).bind(*conv.args, **conv.kwargs)
         activation = conv_args.arguments.get("activation")
         if activation not in (None, "silu", "swish"):
             raise NoMatch(f"conv activation {activation!r} is not SiLU")
@@ -328,7 +341,7 @@ class Analysis:
 
 def _positional(call: fx.Node, index: int):
     """The argument bound to the call's ``index``-th parameter (passed by position or keyword), or None."""
-    params = list(inspect.signature(call.target).parameters.values())
+    params = list(entry_signature(call.target).parameters.values())
     if index < len(call.args):
         return call.args[index]
     return call.kwargs.get(params[index].name) if index < len(params) else None
@@ -336,7 +349,7 @@ def _positional(call: fx.Node, index: int):
 
 def _bound(call: fx.Node) -> dict:
     """Every argument of the call by parameter name, defaults filled in, ``**kwargs`` flattened."""
-    signature = inspect.signature(call.target)
+    signature = entry_signature(call.target)
     bound = signature.bind(*call.args, **call.kwargs)
     bound.apply_defaults()
     args = dict(bound.arguments)

@@ -87,6 +87,7 @@ def fused_forward(self: nn.Module, *args, **kwargs):
         or any(extra.get(k) is not None for k in _PACKED_KWARGS)
         or any(isinstance(v, Cache) for v in extra.values())  # e.g. a deprecated keyword for the cache
         or (cache is not None and not all(hasattr(cache, m) for m in _CACHE_METHODS))
+        or (cache is not None and _keeps_intermediate_states(cache, self.layer_idx))
     ):
         return plan.original(*args, **kwargs)
     mask = arguments.get(plan.match.mask_arg) if plan.match.mask_arg else None
@@ -98,6 +99,14 @@ def fused_forward(self: nn.Module, *args, **kwargs):
             if name:
                 stack.enter_context(loaded(self.get_submodule(name)))
         return mixer_forward(self, plan.match, KERNELS, arguments[first], cache, mask)
+
+
+def _keeps_intermediate_states(cache, layer_idx) -> bool:
+    """Whether the cache records this layer's past states (Transformers 5.25, for crops after assisted decoding): the
+    original then keeps a state per token of a step and updates states out of place, which the fused steps (in place)
+    do not."""
+    keep = getattr(cache, "get_recurrent_states_to_keep", None)
+    return keep is not None and bool(getattr(cache, "is_recording_past", lambda i: False)(layer_idx))
 
 
 def mixer_forward(module: nn.Module, m: MambaMatch, ops: _Ops, hidden_states, cache=None, mask=None):
@@ -129,6 +138,9 @@ def _conv(module, m, ops, x, cache, conv_state, layer_idx):
     weight, bias = conv.weight.squeeze(1), conv.bias
     recording = cache is not None and getattr(cache, "is_recording_past", lambda i: False)(layer_idx)
     if conv_state is not None and seq_len == 1 and not recording:
+        count = getattr(cache, "increase_count", None)  # (5.25: a step the cache does not see is counted)
+        if count is not None:
+            count(layer_idx, 0)
         return ops.conv_update(x, conv_state, weight, bias, m.activation)
     if cache is not None:
         x = cache.update_conv_state(x, layer_idx, conv_kernel_size=m.conv_width)

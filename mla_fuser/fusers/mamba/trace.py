@@ -41,15 +41,41 @@ def forward_signature(module: nn.Module) -> inspect.Signature:
     return sig.replace(parameters=params[1:]) if params and params[0].name == "self" else sig
 
 
+def entry_function(value) -> Callable | None:
+    """The function behind a global of a modeling file: ``value`` itself, or, for the callable modules Hugging Face's
+    ``kernels`` package makes of decorated functions (Transformers 5.25 requires it), the function such a module
+    calls: a function of the module's class's ``forward`` closure defined where the class says it was."""
+    if inspect.isfunction(value):
+        return value
+    if isinstance(value, nn.Module) and not isinstance(value, type):
+        cells = getattr(type(value).forward, "__closure__", None) or ()
+        home = type(value).__module__
+        found = [c.cell_contents for c in cells if inspect.isfunction(c.cell_contents)
+                 and c.cell_contents.__module__ == home]
+        return found[0] if len(found) == 1 else None
+    return None
+
+
 def kernel_entries(module: nn.Module) -> list[Callable]:
-    """Functions of the mixer's own module that wrap another function of that module (kernel entry points)."""
+    """Globals of the mixer's own module that call a function wrapping another function of that module (kernel
+    entry points: transformers resolves each at import, hub kernel, else ``mamba_ssm`` / ``causal_conv1d``, else the
+    in-file torch reference).  A global whose function wraps nothing of the module (Transformers 5.25's
+    ``causal_conv1d_forward`` / ``*_scan_forward``, which read the layer and its cache and call entry points) is no
+    entry point: the trace goes through it."""
     forward = inspect.unwrap(type(module).forward)
     home = forward.__module__
-    return [
-        v for k, v in forward.__globals__.items()
-        if not k.startswith("_") and inspect.isfunction(v) and v.__module__ == home
-        and getattr(getattr(v, "__wrapped__", None), "__module__", None) == home
-    ]
+    entries = []
+    for name, value in forward.__globals__.items():
+        function = None if name.startswith("_") or not callable(value) else entry_function(value)
+        if (function is not None and function.__module__ == home
+                and getattr(getattr(function, "__wrapped__", None), "__module__", None) == home):
+            entries.append(value)
+    return entries
+
+
+def entry_signature(target) -> inspect.Signature:
+    """The signature of a kernel entry point (the torch function's, through the wrappers)."""
+    return inspect.signature(entry_function(target) or target)
 
 
 @contextlib.contextmanager
@@ -95,6 +121,8 @@ def trace_mixer(module, params, width, mask_arg) -> g.TracedModule:
             tracer.placeholder_meta[p.name] = g.to_meta(mask)
             if weight.device.type != "meta":
                 tracer.placeholder_real[p.name] = mask
+        elif p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):  # (empty: the tracer passes none)
+            continue
         elif p.default is not inspect.Parameter.empty:
             concrete[p.name] = p.default
         else:
