@@ -161,8 +161,11 @@ def test_fp8_decode_kernel_matches_its_twin(interp, dtype, ps, splits, with_star
     cpu = mla_decode_cpu(q, pages, table, lens, 0.3, v, starts)
     assert out.dtype == dtype and not out[2].any()  # an empty sequence gives zeros
     if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
-        torch.testing.assert_close(cpu, ref, atol=2e-6, rtol=2e-6)
+        # an output row is an average of value rows: fp32 sums in another order differ relative to the values'
+        # magnitude, not the average's (the order varies with the CPU's vector width)
+        largest = dequantise_rows(pages, v, v + rope)[..., :v].abs().max()
+        torch.testing.assert_close(out, ref, atol=2e-5 * largest, rtol=2e-5)
+        torch.testing.assert_close(cpu, ref, atol=2e-6 * largest, rtol=2e-6)
     else:  # p * scale rounded to bf16 before p @ V, as the bf16 kernel rounds p (tolerance of its own tests)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(cpu.float(), ref.float(), atol=1e-2, rtol=1e-2)
