@@ -6,9 +6,11 @@
   split model generates the tokens of the model on one device.  A real split over two GPUs runs only where two
   are visible (``test_two_gpus_split_equals_one_device``).
 * tensor parallelism: ``torchrun --nproc-per-node 2`` with gloo (``tests/tp_worker.py``) loads the model with
-  Transformers' plan (and a plan that shards DeepSeek-V3's attention); logits and greedy tokens of the fused TP
-  model equal a single-process run, and the fused attention works on the local heads only.  On a machine with
-  two GPUs, ``MLA_FUSER_TP_GPU=1`` runs the same worker with NCCL instead.
+  Transformers' plan (and override plans: DeepSeek-V3's attention by head, experts sharded by TP; and, where
+  ``ep_size`` exists, expert parallelism); logits and greedy tokens of the fused TP model equal a single-process
+  run, the fused attention works on the local heads only, and each rank holds the experts its plan gives it.  What
+  a plan shards is read off the plans themselves (Transformers 5.25 moved DeepSeek's experts out of the TP plan and
+  put V3's attention in it).  On a machine with two GPUs, ``MLA_FUSER_TP_GPU=1`` runs the same worker with NCCL.
 """
 
 import inspect
@@ -318,14 +320,47 @@ def test_tp_fused_equals_single_process(tp_results, name):
         assert torch.equal(r["fused"]["tokens_dynamic"], ref["tokens"]), f"{name} rank {rank}: DynamicCache"
         assert torch.equal(r["fused"]["tokens_unpadded"], ref["tokens_unpadded"]), f"{name} rank {rank}: unpadded"
         assert len([row for row in r["report"] if row[1] == "moe" and row[2] == "fused"]) == 1, r["report"]
-        kind, full, local = r["experts"]  # Transformers' plan shards the experts (gate_up column-wise per expert)
-        if CASES[name][1] is None or kind == "DTensor":
-            # (an override plan replaces Transformers' own in 5.17, which then leaves the experts replicated;
-            # later releases merge it; either way fused equals single process above)
-            assert kind == "DTensor" and local[1] * 2 == full[1], r["experts"]
+        _assert_experts_layout(name, r)
 
 
-_SHARDED_ATTENTION = {"v2_auto", "v2_qproj_auto", "v3_attention_plan", "v2_auto_global_match"}
+def _auto_plan(model_dir):
+    """Transformers' own TP plan for the saved model (the config class's ``base_model_tp_plan``)."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    config_cls = DeepseekV3Config if model_dir == "deepseek_v3" else DeepseekV2Config
+    return config_cls.base_model_tp_plan or {}
+
+
+def _shards(plan, module) -> bool:
+    return any(key.endswith(module) for key in plan)
+
+
+def _expected_sharding(name, module):
+    """Whether the case's plan shards ``module``: True, False, or None where the release decides (an override plan
+    replaces Transformers' own in 5.17 and is merged into it later)."""
+    model_dir, kwargs, _ = CASES[name]
+    override, auto = kwargs.get("tp_plan"), _shards(_auto_plan(model_dir), module)
+    if override is None:
+        return auto
+    return True if _shards(override, module) else (None if auto else False)
+
+
+def _assert_experts_layout(name, r):
+    """Each rank holds what the plan says: TP-sharded experts (each expert's gate/up rows halved), half of the
+    experts (expert parallelism), or all of them whole.  (Up to 5.24 Transformers' DeepSeek TP plans sharded the
+    experts; from 5.25 only ``ep_size`` does: which one applies is read off the plans, not the release.)"""
+    kind, full, local = r["experts"]
+    if CASES[name][1].get("ep_size", 1) > 1:
+        assert r["experts_ep"] and local[0] * 2 == r["n_experts"], (r["experts"], r["n_experts"])
+        return
+    assert not r["experts_ep"], r["experts"]
+    tp = _expected_sharding(name, "mlp.experts.gate_up_proj")
+    if tp is None:
+        tp = kind == "DTensor"
+    if tp:
+        assert kind == "DTensor" and local[1] * 2 == full[1] and local[0] == full[0], r["experts"]
+    else:
+        assert kind != "DTensor" and local == full and full[0] == r["n_experts"], r["experts"]
 
 
 @pytest.mark.slow
@@ -333,12 +368,14 @@ _SHARDED_ATTENTION = {"v2_auto", "v2_qproj_auto", "v3_attention_plan", "v2_auto_
 def test_tp_mla_fused_on_local_heads(tp_results, name):
     ranks, _ = _case(tp_results, name)
     heads = 4
-    local = heads // 2 if name in _SHARDED_ATTENTION else heads
+    sharded = _expected_sharding(name, "self_attn.kv_b_proj")
+    assert sharded is not None  # (every case's override plan shards attention by head, or has none)
+    local = heads // 2 if sharded else heads
     per_head = 8 + 8  # qk_nope_head_dim + v_head_dim of the tiny model
     for rank, r in enumerate(ranks):
         mla_rows = [row for row in r["report"] if row[1] == "mla"]
         assert len(mla_rows) == 2 and all(row[2] == "fused" for row in mla_rows), mla_rows
-        assert r["kv_b_dtensor"] == (name in _SHARDED_ATTENTION)
+        assert r["kv_b_dtensor"] == sharded
         assert r["kv_b_local_rows"] == local * per_head
         assert r["seen"]["query_heads"] == [local]
         assert r["seen"]["paged_decode"] > 0
