@@ -20,8 +20,9 @@ where it runs: the prefill, and every step unless ``GraphedForward`` prepares th
 
 The GPU idles for about ``hf_before_forward + ours_before_replay + replay_launch`` per step plus the step's tail of
 small kernels.  ``generate_ms_per_step`` (two calls that differ by ``--new-tokens`` - 8 steps), ``bare_replay_ms`` and
-``generate_fixed_ms_per_call`` (what a call costs besides its steps: prefill, eager first step, capture) are measured
-in the same process.
+``generate_fixed_ms_per_call`` (what a call costs besides its steps: the prefill, replaying the step the previous call
+kept) and ``generate_fixed_ms_per_call_cold`` (the same with nothing kept: prefill, eager first step, capture) are
+measured in the same process.
 
     python benchmarks/profile_generate_gaps.py --shapes 1x512,16x4096 [--fp8-weights] --out gaps.json
     python benchmarks/profile_generate_gaps.py --dry-run     # CPU, tiny preset (the step runs eagerly there)
@@ -156,29 +157,40 @@ def bare_replay_ms(model, batch, length, device, steps=30) -> float:
     return (time.perf_counter() - began) * 1e3 / (steps - 3)
 
 
-def generate_ms(model, batch, length, device, new_tokens, marks: Marks | None = None) -> float:
+def generate_ms(model, batch, length, device, new_tokens, marks: Marks | None = None) -> dict:
+    """``generate_ms_per_step`` (two calls of 8 and ``new_tokens`` tokens: their fixed costs cancel) and a call's
+    fixed cost (prefill, plus the eager first step and the capture where it captures): with the step kept by the
+    previous call of the same shape (``runtime.kept_steps``; both rounded to one cache size here), and cold, after
+    ``release_decode_graphs``."""
+    from mla_fuser import release_decode_graphs
+
     ids = torch.randint(3, 1000, (batch, length), device=device)
     kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+
+    def call(tokens, marked=False):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        if marked:
+            marks.events.clear()
+            marks.install(device)
+        try:
+            model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+        finally:
+            if marked:
+                marks.remove()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - began) * 1e3
+
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)  # (warm: compiles)
-        times = []
-        for tokens in (8, new_tokens):  # (both calls run the eager first step and the capture: they cancel)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            began = time.perf_counter()
-            if marks is not None and tokens == new_tokens:
-                marks.events.clear()
-                marks.install(device)
-            try:
-                model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
-            finally:
-                if marks is not None:
-                    marks.remove()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - began)
-    step = (times[1] - times[0]) * 1e3 / (new_tokens - 8)
-    return step, times[0] * 1e3 - 7 * step  # (per step; a call's fixed cost: prefill, eager first step, capture)
+        call(new_tokens)  # (warm: compiles, keeps its step)
+        short, long = call(8), call(new_tokens, marked=marks is not None)
+        release_decode_graphs(model)
+        cold = call(8)
+    step = (long - short) / (new_tokens - 8)
+    return {"generate_ms_per_step": step, "generate_fixed_ms_per_call": short - 7 * step,
+            "generate_fixed_ms_per_call_cold": cold - 7 * step}
 
 
 def main(argv=None):
@@ -216,10 +228,10 @@ def main(argv=None):
         row = {"batch": batch, "context": length, "new_tokens": args.new_tokens,
                **({} if setting is None else {"ab": {args.ab_attr: setting}}),
                "generate_ms_per_step": None, "generate_fixed_ms_per_call": None,
+               "generate_fixed_ms_per_call_cold": None,
                "bare_replay_ms": bare_replay_ms(model, batch, length, device) if device == "cuda" else None,
                "host_us": None}
-        row["generate_ms_per_step"], row["generate_fixed_ms_per_call"] = generate_ms(model, batch, length, device,
-                                                                                     args.new_tokens, marks)
+        row.update(generate_ms(model, batch, length, device, args.new_tokens, marks))
         row["host_us"] = marks.phases()
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
 from .cache_moves import CountsMoves
-from .cache_reorder import reorder_in_place
+from .cache_reorder import own_pages_from, reorder_in_place
 from .kernels.dispatch import on_device, use_triton
 from .kernels.latent_fp8 import FP8_DTYPE, dequantise_rows, is_fp8, packed_width, raw
 from .kernels.paged_cpu import append_rows
@@ -400,6 +400,12 @@ class PagedLatentLayer(CountsMoves, CacheLayerMixin):
         self.tables = self.block_table = self.seq_lens = self.starts = None
         self.home = self._home_device = None
 
+    def restart(self) -> None:
+        """Hold no tokens again, every buffer kept where it is (:meth:`PagedLatentCache.restart`)."""
+        if self.home is not None:
+            self.host_tables, self.host_lens = [list(t) for t in self.home], [0] * len(self.home)
+            self._sync_tables()
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
@@ -411,7 +417,7 @@ class PagedLatentLayer(CountsMoves, CacheLayerMixin):
     def _shrink(self, keep: list[int]) -> None:
         page = self.pool.page_size
         if self.home is not None:  # what is written next must land in each sequence's own pages again
-            self._own_pages_from(min(keep) // page, keep)
+            own_pages_from(self, min(keep) // page, keep)
         for t, n in zip(self.host_tables, keep):
             extra = len(t) - math.ceil(n / page)
             if extra > 0 and not self.cache.static:
@@ -468,23 +474,6 @@ class PagedLatentLayer(CountsMoves, CacheLayerMixin):
         source = beam_idx.tolist() if source is None else source
         if not reorder_in_place([self], beam_idx, source):
             self._copy_sequences(source)
-
-    def _own_pages_from(self, column: int, lens: list[int]) -> None:
-        """Every sequence's block-table entries from ``column`` on name its own pages again (those that named
-        another sequence's page after a beam reorder get a copy of it, for the tokens of ``lens`` they hold): what
-        a crop needs before the sequences write into those columns.  Host tables only; the caller uploads them."""
-        page = self.pool.page_size
-        src, dst = [], []
-        for table, own, n in zip(self.host_tables, self.home, lens):
-            for j in range(column, min(len(table), math.ceil(n / page))):
-                if table[j] != own[j]:
-                    src.append(table[j])
-                    dst.append(own[j])
-            table[column:] = own[column:]
-        if src:  # all reads before any write: a page may be both read (for one sequence) and written (another's own)
-            pages = raw(self.pool.pages)
-            index = torch.tensor(dst + src, dtype=torch.long).to(self.device)
-            pages.index_copy_(0, index[: len(dst)], pages.index_select(0, index[len(dst):]))
 
     def move_positions(self, order: torch.Tensor) -> None:
         """Position ``p < T`` of sequence ``b`` takes what position ``order[b, p]`` held (``order``: long ``[B, T]``,
@@ -544,8 +533,8 @@ class PagedLatentCache(DynamicCache):
         if dtype is not None and (not dtype.is_floating_point or (dtype.itemsize == 1 and dtype != FP8_DTYPE)):
             raise ValueError(f"PagedLatentCache dtype must be a floating dtype or torch.float8_e4m3fn, got {dtype}")
         self.page_size, self.latent_dtype = page_size, dtype
-        self.padding_starts: torch.Tensor | None = None  # see set_left_padding
-        self._moved_padding = None  # (order, previous starts) while move_padding_left holds
+        self.padding_starts: torch.Tensor | None = None  # set_left_padding; (order, starts) of move_padding_left:
+        self._moved_padding = None
         self.max_cache_tokens = max_cache_tokens
         self.memory_fraction = memory_fraction
         self.static = static
@@ -605,6 +594,17 @@ class PagedLatentCache(DynamicCache):
             layer.move_positions(back)
         self._moved_padding = None
         self.set_left_padding(starts)
+
+    def restart(self) -> bool:
+        """Empty again for another call of the same batch, every buffer where it is (a kept graph reads them:
+        ``runtime.kept_steps``; the left padding is the next call's to set).  False, nothing done, unless static,
+        every layer paged and no padding moved."""
+        if not self.static or self._moved_padding is not None or len(self.paged) != len(self.layers):
+            return False
+        for layer in self.layers:
+            layer.restart()
+        self.padding_starts = None
+        return True
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam reorder of every layer; the indices are read on the host once, and a static cache's paged layers

@@ -17,6 +17,8 @@ page another one reads.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .kernels.latent_fp8 import raw
@@ -73,3 +75,22 @@ def _home_columns(layer) -> torch.Tensor:
     if layer._home_device is None:
         layer._home_device = torch.tensor(layer.home, dtype=torch.long).t().contiguous().to(layer.block_table.device)
     return layer._home_device
+
+
+def own_pages_from(layer, column: int, lens: list[int]) -> None:
+    """Every sequence's block-table entries of ``layer`` (a static cache's ``PagedLatentLayer``) from ``column`` on
+    name its own pages again (those that named another sequence's page after a beam reorder get a copy of it, for the
+    tokens of ``lens`` they hold): what a crop needs before the sequences write into those columns.  Host tables
+    only; the caller uploads them."""
+    page = layer.pool.page_size
+    src, dst = [], []
+    for table, own, n in zip(layer.host_tables, layer.home, lens):
+        for j in range(column, min(len(table), math.ceil(n / page))):
+            if table[j] != own[j]:
+                src.append(table[j])
+                dst.append(own[j])
+        table[column:] = own[column:]
+    if src:  # all reads before any write: a page may be both read (for one sequence) and written (another's own)
+        pages = raw(layer.pool.pages)
+        index = torch.tensor(dst + src, dtype=torch.long).to(layer.device)
+        pages.index_copy_(0, index[: len(dst)], pages.index_select(0, index[len(dst):]))

@@ -41,6 +41,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("MLA_FUSER_CUDA_GRAPHS", "switch", True,
              "`0` makes `generate()` of a fused model run its decode steps eagerly instead of replaying them "
              "from a CUDA graph"),
+    Variable("MLA_FUSER_REUSE_DECODE_GRAPHS", "switch", True,
+             "`0` makes every graphed `generate()` call build its own static cache and capture its own decode step, "
+             "instead of taking back the last call's (same batch, cache size and padding, model unchanged)"),
     Variable("MLA_FUSER_MOE_SMALL_BATCH_TOKENS", "int", None,
              "tokens up to which the fused MoE kernel takes its small-batch (expert-grouped) path (default 16; 4 for "
              "block-FP8 experts)"),
@@ -151,6 +154,10 @@ def kernel_backend() -> str | None:
 
 def cuda_graphs_enabled() -> bool:
     return bool(get("MLA_FUSER_CUDA_GRAPHS"))
+
+
+def reuse_decode_graphs() -> bool:
+    return bool(get("MLA_FUSER_REUSE_DECODE_GRAPHS"))
 
 
 def triton_interpreting() -> bool:

@@ -37,6 +37,7 @@ class ModelState:
     continuous_batching_extended: bool = False  # ... and its init_continuous_batching
     graphed_steps: int = 0  # decode steps of the last generate() replayed through a CUDA graph (diagnostics)
     graph_captures: int = 0  # how often that generate() captured its step
+    kept_step: object = None  # the static cache and DecodeGraph kept for the next generate() (runtime.kept_steps)
 
 
 def model_state(model) -> ModelState:

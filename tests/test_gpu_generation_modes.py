@@ -2,7 +2,7 @@
 
 What a CPU cannot show (``test_generation_modes.py`` runs the same plans eagerly there): a CUDA-graph replay after beam
 reorders gives the eager step's logits, every graphed mode captures its step exactly once per call (the cache keeps
-its memory across reorders and padding moves), and the tokens agree with native ``sdpa`` within bf16 rounding, judged
+its memory across reorders and padding moves) and the next call of the same shape replays it without capturing, and the tokens agree with native ``sdpa`` within bf16 rounding, judged
 as ``test_gpu.py`` does (a split between the paths must be at a near-tie of native's own logits; beam search re-ranks
 on near-ties, so its agreement is reported, not asserted).  Results go to stdout and, when ``MLA_FUSER_GPU_RESULTS``
 names a file, to that JSON file (``<name>.modes.json`` beside it).
@@ -139,6 +139,7 @@ def test_generation_modes_graphed_capture_once_and_agree_with_native(models, mod
     from transformers import DynamicCache
 
     native, fused = models
+    mla_fuser.release_decode_graphs(fused)  # (each mode captures its own step: nothing kept from the one before)
     ids, mask, extra, user_cache = _cases(native.config.vocab_size)[mode]
     kw = {**dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False), **extra}
     torch.manual_seed(5)
@@ -166,3 +167,33 @@ def test_generation_modes_graphed_capture_once_and_agree_with_native(models, mod
         RESULTS[f"{mode}_divergence_logit_gaps"] = gaps
         assert max(gaps, default=0.0) < TOLERANCE, f"fused and native split on a clear preference: {gaps}"
 
+
+@torch.no_grad()
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_next_call_of_the_same_shape_replays_the_kept_step(models, padded):
+    """A second call of the same shape replays the step the first one captured from its first decode step (no eager
+    step, no capture, the cache's memory where it was) and gives the tokens of a fresh capture, or splits from them
+    only where native itself hesitates."""
+    native, fused = models
+    mla_fuser.release_decode_graphs(fused)
+    vocab = fused.config.vocab_size
+    calls = []
+    for seed in (11, 12):
+        ids, mask = (t.cuda() for t in left_padded_prompts([40, 40 - 13 * padded], vocab, seed=seed))
+        calls.append((ids, dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                do_sample=False)))
+    fused.generate(calls[0][0], **calls[0][1])
+    ids, kw = calls[1]
+    reused = fused.generate(ids, **kw)
+    plan = last_generate_plan(fused)
+    RESULTS[f"kept_step_plan_padded_{padded}"] = dict(reused=plan.graph is not None, steps=plan.steps,
+                                                      captures=plan.captures, layouts=plan.layouts)
+    assert plan.graph is not None and plan.captures == 0 and plan.layouts == 1 and plan.steps == NEW_TOKENS - 1
+    mla_fuser.release_decode_graphs(fused)
+    fresh = fused.generate(ids, **kw)
+    assert last_generate_plan(fused).captures == 1
+    new_fresh, new_reused = fresh[:, ids.shape[1]:], reused[:, ids.shape[1]:]
+    RESULTS[f"kept_step_token_agreement_padded_{padded}"] = float((new_fresh == new_reused).float().mean())
+    first = [(a != b).nonzero()[0].item() if (a != b).any() else a.numel() for a, b in zip(new_fresh, new_reused)]
+    gaps = divergence_gaps(native, reused, kw["attention_mask"], ids.shape[1], first, new_fresh)
+    assert max(gaps, default=0.0) < TOLERANCE, f"the kept step and a fresh capture split on a clear preference: {gaps}"

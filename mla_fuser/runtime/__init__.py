@@ -5,5 +5,7 @@ CUDA-graph replay of decode steps it uses.  Above the cache, the attention inter
 from .continuous_batching import extend_continuous_batching
 from .decode_graph import DecodeGraph
 from .generate import GraphedForward, eager_decode, extend_generate
+from .kept_steps import release_decode_graphs
 
-__all__ = ["DecodeGraph", "GraphedForward", "eager_decode", "extend_continuous_batching", "extend_generate"]
+__all__ = ["DecodeGraph", "GraphedForward", "eager_decode", "extend_continuous_batching", "extend_generate",
+           "release_decode_graphs"]

@@ -149,6 +149,12 @@ class DecodeGraph:
     def _paged_layers(self):
         return self._paged
 
+    def begin_call(self) -> tuple[int, int]:
+        """A new ``generate`` call replays this graph (kept from an earlier one: ``runtime.kept_steps``): its layout
+        count starts again; returns ``(captures, layouts)`` so far, to count the call's own."""
+        self._seen = None
+        return self.captures, self.layouts
+
     @property
     def takes_several_tokens(self) -> bool:
         """Whether steps of several tokens per sequence are possible: every cache layer paged (a state layer cannot

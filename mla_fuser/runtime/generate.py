@@ -36,6 +36,7 @@ from ..cache import PagedLatentCache, paged_layer_indices
 from ..compat import ATTENTION_NAME, CACHE_KWARGS, attention_implementation, cache_keyword, caller_chose_cache
 from ..fusers.moe.experts import has_switched_experts, keep_fused_experts
 from ..plans import model_state
+from . import kept_steps
 from .decode_graph import DecodeGraph
 
 # Fewer new tokens than this do not repay the capture (about one eager step plus instantiation).
@@ -67,6 +68,7 @@ def extend_generate(model) -> list[str]:
 
     def generate(self, *args, **kwargs):
         with keep_fused_experts(self) if experts else contextlib.nullcontext():
+            _LAST_PLANS.pop(self, None)  # (its cache is freed before this call's is made, unless kept)
             plan = plan_generate(self, args, kwargs, paged, states_only)
             _LAST_PLANS[self] = plan
             if plan.cache is None:
@@ -102,8 +104,10 @@ class GeneratePlan:
     give_back: object = None  # the caller's DynamicCache: filled from ``cache`` when the call returns
     overrides: dict = field(default_factory=dict)  # generate arguments we settle (cache_implementation=None)
     steps: int = 0  # decode steps that went through the DecodeGraph
-    captures: int = 0  # CUDA-graph captures of those steps
+    captures: int = 0  # CUDA-graph captures of those steps (0 when the call replayed a kept graph)
     layouts: int = 0  # cache memory layouts the steps ran on (each after the first would be a recapture)
+    graph: DecodeGraph | None = None  # a DecodeGraph kept by an earlier call over ``cache`` (runtime.kept_steps)
+    keep_key: tuple | None = None  # the shape under which the call keeps its cache and graph (None: not kept)
 
     def arguments(self, kwargs: dict, keyword: str) -> dict:
         """``kwargs`` with our cache under the model's keyword (any other cache keyword dropped) and our overrides."""
@@ -151,15 +155,13 @@ def plan_generate(model, args, kwargs, paged: bool, states_only: bool) -> Genera
     if user is None and implementation is None:
         if reason:
             return GeneratePlan(PagedLatentCache(model), reason=reason)
-        return _graphed(model, PagedLatentCache.static_for(model, shape.batch, shape.max_seq_len), shape,
-                        fallback=lambda: PagedLatentCache(model))
+        return _graphed_over_own_cache(model, shape, fallback=lambda: PagedLatentCache(model))
     if reason:
         return GeneratePlan(reason=reason)
     if user is None:
         if implementation not in GRAPHED_CACHE_IMPLEMENTATIONS:
             return GeneratePlan(reason=f"cache_implementation={implementation!r} is Transformers' own cache")
-        cache = PagedLatentCache.static_for(model, shape.batch, shape.max_seq_len)
-        return _graphed(model, cache, shape, overrides={"cache_implementation": None})
+        return _graphed_over_own_cache(model, shape, overrides={"cache_implementation": None})
     return _plan_for_callers_cache(model, user[1], shape)
 
 
@@ -205,8 +207,7 @@ def _plan_for_callers_cache(model, cache, shape: "CallShape") -> GeneratePlan:
             return GeneratePlan(reason="a DynamicCache that already holds tokens runs as given (eager steps)")
         if getattr(cache, "offloading", False) or any(type(layer) is not DynamicLayer for layer in cache.layers):
             return GeneratePlan(reason="an offloaded or sliding-window DynamicCache runs as given (eager steps)")
-        paged = PagedLatentCache.static_for(model, shape.batch, shape.max_seq_len)
-        return _graphed(model, paged, shape, give_back=cache)
+        return _graphed_over_own_cache(model, shape, give_back=cache)
     return GeneratePlan(reason=f"a {type(cache).__name__} passed by the caller runs as given (eager steps; "
                                f"Transformers may compile the forward over a compileable cache)")
 
@@ -220,6 +221,22 @@ def _graphed(model, cache, shape: "CallShape", fallback=None, **extra) -> Genera
     except (TypeError, ValueError) as err:
         return GeneratePlan(None if fallback is None else fallback(), reason=str(err))
     return GeneratePlan(cache, graphed=True, padding=shape.padding, **extra)
+
+
+def _graphed_over_own_cache(model, shape: "CallShape", fallback=None, **extra) -> GeneratePlan:
+    """A graphed plan over a static paged cache of our own (the caller holds none): the one the model's last call
+    kept with its captured step, where the shape and the model still match (``kept_steps``), else a new one, kept in
+    turn when the call returns."""
+    left = shape.padding is not None and _left_padding(shape.padding) is not None
+    key = kept_steps.step_key(model, shape.batch, shape.max_seq_len, shape.padding, left)
+    found = kept_steps.take(model, key)
+    if found is not None:
+        cache, graph = found
+        return GeneratePlan(cache, graphed=True, padding=shape.padding, graph=graph, keep_key=key, **extra)
+    size = shape.max_seq_len if key is None else kept_steps.cache_size(shape.max_seq_len)
+    plan = _graphed(model, PagedLatentCache.static_for(model, shape.batch, size), shape, fallback=fallback, **extra)
+    plan.keep_key = key if plan.graphed else None
+    return plan
 
 
 def _graphs_over_own_cache(model) -> bool:
@@ -246,17 +263,23 @@ def generate_graphed(model, inner, cache, args, kwargs, padding=None, plan: Gene
     starts = None if padding is None else _left_padding(padding)
     if starts is not None:
         cache.set_left_padding(starts)
+    kept = False
     try:
-        with GraphedForward(model, cache, move_padding=padding if starts is None else None) as graphed:
+        with GraphedForward(model, cache, move_padding=padding if starts is None else None,
+                            graph=None if plan is None else plan.graph) as graphed:
             out = inner(*args, **kwargs)
+        if plan is not None and (plan.give_back is not None or _cache_field(out, cache) is None):  # (not the caller's)
+            kept = kept_steps.keep(model, plan.keep_key, cache, graphed.graph)
     finally:
-        if padding is not None:
+        if padding is not None and not kept:  # (a kept cache's next call sets its own padding, in place)
             cache.restore_padding()
             cache.set_left_padding(previous)
+    captures, layouts = (now - before for now, before in zip((graphed.graph.captures, graphed.graph.layouts),
+                                                              graphed.counts_before))
     state = model_state(model)
-    state.graphed_steps, state.graph_captures = graphed.steps, graphed.graph.captures
+    state.graphed_steps, state.graph_captures = graphed.steps, captures
     if plan is not None:
-        plan.steps, plan.captures, plan.layouts = graphed.steps, graphed.graph.captures, graphed.graph.layouts
+        plan.steps, plan.captures, plan.layouts = graphed.steps, captures, layouts
     return out
 
 
@@ -300,12 +323,15 @@ class GraphedForward:
 
     _PASSED_THROUGH = ("labels", "output_attentions", "output_hidden_states")
 
-    def __init__(self, model, cache, move_padding: torch.Tensor | None = None):
+    def __init__(self, model, cache, move_padding: torch.Tensor | None = None, graph: DecodeGraph | None = None):
         self.model = model
         self.cache = cache
         self.move_padding = move_padding
         self.keyword = cache_keyword(model)
-        self.graph = DecodeGraph(model, cache)
+        if graph is not None and graph.cache is not cache:
+            raise ValueError("GraphedForward: the graph given was captured over another cache")
+        self.graph = DecodeGraph(model, cache) if graph is None else graph
+        self.counts_before = self.graph.begin_call()  # (captures, layouts) before this call
         self.output_type = None
         self.cache_field = None  # the output's cache field, read off the first eager output (_cache_field)
         self.steps = 0  # decode steps that went through the graph (the first one runs eagerly inside it)
