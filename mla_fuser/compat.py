@@ -128,10 +128,52 @@ def attention_implementation_set(config, name: str):
         config.__dict__["_attn_implementation_internal"] = previous
 
 
+# ---- continuous batching: the engine's cache allocators ---------------------------------------------------------
+# Up to 5.24 every full-attention layer group of CB's pool is a ``FullAttentionCacheAllocator``: a token's row is a K
+# half and a V half (``num_key_value_heads x head_dim`` each) in two pages of a block.  From 5.25 a config with
+# ``kv_lora_rank`` gets an ``MLACacheAllocator`` instead: one row of ``kv_lora_rank + qk_rope_head_dim`` values per
+# token and layer, written as two column ranges (``[:kv_lora_rank]`` and the rest), with no block-table page views.
+
+
+def cb_latent_allocator(allocator) -> bool:
+    """Whether ``allocator`` (one layer group of CB's pool) holds one latent row per token (5.25's
+    ``MLACacheAllocator``) rather than K / V half rows."""
+    try:
+        from transformers.generation.continuous_batching.cache_allocators import MLACacheAllocator
+    except ImportError:  # (before 5.25)
+        return False
+    return isinstance(allocator, MLACacheAllocator)
+
+
+def cb_latent_row_layout(allocator) -> tuple[int, int]:
+    """``(cut, width)`` of a latent allocator's rows: the engine writes its update's key into columns ``[:cut]`` and
+    its value into ``[cut:width]``."""
+    return allocator.kv_lora_rank, allocator.row_numel
+
+
+def cb_latent_rows(allocator, layer_idx: int):
+    """``[slots, width]``: the rows of one layer of a latent allocator, the view the engine's read / write indices
+    address (its private per-layer views start at the layer's page within each block, as this one does); None for
+    an allocator that is not a latent one."""
+    if not cb_latent_allocator(allocator):
+        return None
+    rows = allocator.cache_tensor[allocator.layer_indices.index(layer_idx) * allocator.tokens_per_page:]
+    private = getattr(allocator, "_latent_token_views", {}).get(layer_idx)
+    if private is not None and private[0].data_ptr() != rows.data_ptr():
+        raise RuntimeError(f"continuous batching: the engine's layer {layer_idx} rows moved in this Transformers "
+                           f"release; mla_fuser.compat.cb_latent_rows needs updating")
+    return rows
+
+
 # ---- `mla-fuser serve`: Transformers' server pieces (transformers.cli.serving), 5.19 to 5.24 ----------------------
 # Its constructors grew keywords release by release (ModelManager(continuous_batching=) in 5.23,
 # build_server(systemone_handler=) in 5.21): the serve layer offers every keyword it can fill and keeps those the
 # installed release takes, so no release check is spread over the code.
+# Transformers 5.25 rebuilt that server: each model runs in a spawned process of its own (``EngineClient``) that
+# loads it through a ``ModelLoader`` by repository name; ``TimedModel`` and the in-process generation managers the
+# serve layer extends are gone.  ``mla-fuser serve`` drives the in-process server only: from this release on it
+# refuses with a clear error (``serve.unsupported``) instead of failing on an import.
+SERVE_REBUILT = (5, 25)
 SERVING_OPTIONAL_HANDLERS = {"systemone_handler": ("systemone", "SystemOneHandler")}  # keyword -> (module, class)
 
 

@@ -3,6 +3,7 @@ request's tokens equal a one-request native ``generate`` of the same prompt, ste
 tokens of many requests over latent pages in the engine's own pool."""
 
 import time
+import types
 
 import pytest
 import torch
@@ -137,6 +138,10 @@ def test_the_manager_api_with_per_request_lengths_and_a_cancellation():
         for request_id, prompt, n in zip(ids, prompts, lengths):
             assert results[request_id].generated_tokens == _native_tokens(native, prompt, _greedy(n))
         cache = manager.batch_processor.cache
+        for allocator in cache.cache_allocators.values():  # one latent row per token and layer, never expanded K/V
+            assert allocator.bytes_per_page == allocator.tokens_per_page * sum(manager.latent) * fused.dtype.itemsize
+        # from 5.25 the engine's own latent allocator holds the rows (K / V half rows of its full-attention pool before)
+        assert cache.latent_allocator == (compat.transformers_version() >= (5, 25))
         for _ in range(100):  # the cancelled request's pages come back too (the loop handles cancels between steps)
             if cache.compute_free_capacity(relative=True) == 1:
                 break
@@ -242,6 +247,24 @@ def test_older_transformers_refuse_clearly():
     _, fused = _pair()
     with pytest.raises(NotImplementedError, match="needs transformers>=5.19"):
         fused.init_continuous_batching(generation_config=_greedy(2))
+
+
+@pytest.mark.skipif(compat.transformers_version() < (5, 25), reason="Transformers' latent allocator is new in 5.25")
+def test_a_latent_allocator_of_another_layout_is_refused_naming_the_version():
+    """Transformers sizes its latent allocator's rows from the config; rows that cannot hold the fused layers' latent
+    are refused with an error naming the release, before any step writes into them."""
+    from transformers.generation.continuous_batching.cache_allocators import MLACacheAllocator
+
+    from mla_fuser.runtime.continuous_batching import latent_allocator_of
+
+    def cache(rank, width):
+        allocator = object.__new__(MLACacheAllocator)
+        allocator.kv_lora_rank, allocator.row_numel = rank, width
+        return types.SimpleNamespace(cache_allocators={"full_attention": allocator})
+
+    assert latent_allocator_of(cache(16, 20), (16, 4))
+    with pytest.raises(ValueError, match=r"latent cache allocator of transformers 5\.2\d.*rank 16 \+ rope 4"):
+        latent_allocator_of(cache(16, 24), (16, 4))
 
 
 @needs_cb

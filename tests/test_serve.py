@@ -344,6 +344,17 @@ def test_refused_below_the_supported_transformers(capsys):
     assert len(err.splitlines()) == 1 and "serve needs transformers>=" in err
 
 
+@pytest.mark.skipif(compat.transformers_version() < compat.SERVE_REBUILT,
+                    reason="the refusal is for the rebuilt server of transformers>=5.25")
+def test_refused_clearly_on_the_rebuilt_server_of_5_25(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "rebuilt it around per-model engine processes" in err
+    assert "transformers[serving]<5.25" in err
+
+
 def test_missing_dependencies_say_what_to_install(capsys, monkeypatch):
     import importlib.util
 

@@ -7,9 +7,11 @@ What changes, and how, without patching Transformers' classes:
 * **Latent rows in CB's pool.**  CB stores per token and layer one K row and one V row of equal width
   (``num_key_value_heads x head_dim`` each).  Its cache is sized from a view of the config with one KV head and
   ``head_dim = ceil((kv_lora_rank + rope) / 2)``, so a token's K row plus V row is exactly one latent row
-  ``[kv_c | k_pe]``: no expanded K/V is ever stored, and every block-level feature stays CB's own.  The engine's
-  cache instance becomes a :class:`LatentPagedAttentionCache` (our subclass), whose ``update`` takes and returns
-  the latent, split into the two half rows on the way in and joined on the way out.
+  ``[kv_c | k_pe]``: no expanded K/V is ever stored, and every block-level feature stays CB's own.  From 5.25 the
+  engine gives a config with ``kv_lora_rank`` its own latent allocator (one row of ``rank + rope`` per token and
+  layer, written as two column ranges); the same row then lives there, cut where that allocator cuts it.  The
+  engine's cache instance becomes a :class:`LatentPagedAttentionCache` (our subclass), whose ``update`` takes and
+  returns the latent, arranged into the pool's row on the way in and joined on the way out.
 * **The attention.**  ``vllm_mla`` serves CB steps itself (``attention_interfaces.ragged``); the manager keeps it
   instead of switching the model to a CB-friendly name, and turns off the paths that need CB's own kernels
   (flash block-table decode, its CUDA graphs).
@@ -32,7 +34,10 @@ import types
 
 import torch
 
-from ..compat import ATTENTION_NAME, FEATURE_MIN_VERSION, attention_implementation
+from ..compat import (
+    ATTENTION_NAME, FEATURE_MIN_VERSION, attention_implementation, cb_latent_allocator, cb_latent_row_layout,
+    cb_latent_rows,
+)
 from ..attention_interfaces.ragged import LATENT_PAGE, PAGES_ROWS_ATTR, PagesRows, runs_on_device
 from ..kernels.latent_gather import latent_gather
 from ..kernels.mla_decode_split import join_split_rows, split_rows_supported
@@ -129,10 +134,20 @@ def steps_graphs(config, model) -> None:
 
 
 def page_views(allocator, layer_idx: int):
-    """``(k_pages, v_pages)`` of one layer (the views the engine hands its block-table kernels), or None on a
-    release whose allocators do not offer them."""
+    """``(k_rows, v_rows)``: one layer's K and V half rows ``[slots, half]`` where the engine's pages hold them (same
+    strides, addressed by the engine's slot indices), or None where the release's allocator offers no such views.
+    Up to 5.24 they are the block-table page views of the K / V pool; from 5.25 (a latent allocator, one row per
+    token) the two halves of each row — None when the row's width is odd (no two halves of one width)."""
+    rows = cb_latent_rows(allocator, layer_idx)
+    if rows is not None:
+        half, odd = divmod(rows.shape[-1], 2)
+        return None if odd else (rows[:, :half], rows[:, half:])
     views = getattr(allocator, "get_cache_for_block_table", None)
-    return None if views is None else views(layer_idx)
+    if views is None:
+        return None
+    k_pages, v_pages = views(layer_idx)
+    half = k_pages.shape[-2] * k_pages.shape[-1]
+    return k_pages.reshape(-1, half), v_pages.reshape(-1, half)
 
 
 @functools.cache
@@ -141,42 +156,60 @@ def latent_cache_class():
     _, PagedAttentionCache, _ = _cb()
 
     class LatentPagedAttentionCache(PagedAttentionCache):
-        """CB's paged cache holding one latent row per token and layer as the token's K half row and V half row.
+        """CB's paged cache holding one latent row per token and layer.
 
-        Where the layout allows (``kernels.mla_decode_split.split_rows_supported``) the halves are ``[kv_c[:r/2] |
-        k_pe[:p/2]]`` and ``[kv_c[r/2:] | k_pe[p/2:]]``, so a decode kernel reads them in place; otherwise they are
-        the two halves of ``[kv_c | k_pe]`` (zero-padded to even width).  ``update`` takes the latent (``kv_c [1, 1,
-        T, rank]``, ``k_pe [1, 1, T, rope]``) and returns that of every request's whole context, read back through
-        the engine's own indices — or, on the device path with the split layout, only writes and returns the new
-        tokens' latent tagged with where the contexts' rows lie (``ragged.PAGES_ROWS_ATTR``)."""
+        Up to Transformers 5.24 the engine's pool keeps a token's row as a K half row and a V half row (two pages of
+        a block); from 5.25 a config with ``kv_lora_rank`` gets a latent allocator whose pages hold one row of
+        ``rank + rope`` per token (``compat.cb_latent_allocator``).  Either way the row is ours to arrange: where the
+        layout allows (``kernels.mla_decode_split.split_rows_supported``) its halves are ``[kv_c[:r/2] | k_pe[:p/2]]``
+        and ``[kv_c[r/2:] | k_pe[p/2:]]``, so a decode kernel reads them in place; otherwise the row is ``[kv_c |
+        k_pe]`` (zero-padded to even width in the K / V pool).  The arranged row goes through the engine's own update
+        cut where that allocator cuts it (K / V halves, or the latent allocator's two column ranges), so writes,
+        index bookkeeping and read-back stay the engine's.  ``update`` takes the latent (``kv_c [1, 1, T, rank]``,
+        ``k_pe [1, 1, T, rope]``) and returns that of every request's whole context — or, on the device path with
+        the split layout, only writes and returns the new tokens' latent tagged with where the contexts' rows lie
+        (``ragged.PAGES_ROWS_ATTR``)."""
 
         rank: int
         rope: int
+        latent_allocator: bool  # the pool's pages hold whole latent rows (5.25+), not K / V half rows
 
         @property
         def split(self) -> bool:
             return split_rows_supported(self.rank, self.rope)
 
-        def _half_rows(self, kv_c, k_pe):
-            """The new tokens' ``(K half, V half)`` rows ``[1, 1, T, half]`` (views of one row tensor)."""
+        def _rows(self, kv_c, k_pe):
+            """The new tokens' arranged rows ``[1, 1, T, row width]`` cut in the two parts the engine's update writes
+            (views of one row tensor): the K and V halves, or the latent allocator's key and value column ranges."""
             rank, width = self.rank, self.rank + self.rope
             half = math.ceil(width / 2)
-            row = kv_c.new_empty(kv_c.shape[2], 2 * half)
+            row = kv_c.new_empty(kv_c.shape[2], width if self.latent_allocator else 2 * half)
             if self.split:
                 r, p = rank // 2, self.rope // 2
                 row[:, :r], row[:, r:half] = kv_c[0, 0, :, :r], k_pe[0, 0, :, :p]
                 row[:, half:half + r], row[:, half + r:] = kv_c[0, 0, :, r:], k_pe[0, 0, :, p:]
             else:
                 row[:, :rank], row[:, rank:width] = kv_c[0, 0], k_pe[0, 0]
-                if width < 2 * half:
+                if width < row.shape[1]:
                     row[:, width:] = 0
-            return row[None, None, :, :half], row[None, None, :, half:]
+            cut = rank if self.latent_allocator else half
+            return row[None, None, :, :cut], row[None, None, :, cut:]
 
-        def _write_only(self, k_half, v_half, layer_idx, kwargs):
+        def _latent(self, first, second):
+            """``(kv_c, k_pe)`` ``[1, 1, N, .]`` of rows the engine read back as the two parts :meth:`_rows` cut."""
+            rank, width = self.rank, self.rank + self.rope
+            if self.latent_allocator and not self.split:
+                return first, second  # the row is [kv_c | k_pe], cut at rank: the parts are the latent's
+            rows = torch.cat([first[0, 0], second[0, 0]], dim=-1)
+            half = math.ceil(width / 2)
+            latent = join_split_rows(rows[:, :half], rows[:, half:], rank) if self.split else rows
+            return latent[None, None, :, :rank], latent[None, None, :, rank:width]
+
+        def _write_only(self, first, second, layer_idx, kwargs):
             """The engine's update with nothing to read back (its read indices emptied): the rows are written, and
             ``kwargs`` gets this layer's key bounds as the engine's update narrows them."""
             written = dict(kwargs, read_index=[i[:0] for i in kwargs["read_index"]])
-            super().update(k_half, v_half, layer_idx, written)
+            super().update(first, second, layer_idx, written)
             kwargs["cu_seq_lens_k"], kwargs["max_length_k"] = written["cu_seq_lens_k"], written["max_length_k"]
 
         def _written_in_place(self, key_states, value_states, layer_idx, kwargs):
@@ -189,13 +222,11 @@ def latent_cache_class():
             if views is None:
                 return None
             read_index = kwargs["read_index"]
-            self._write_only(*self._half_rows(key_states, value_states), layer_idx, kwargs)
+            self._write_only(*self._rows(key_states, value_states), layer_idx, kwargs)
             index = read_index[allocator.index]
             # nothing cached is read (fresh prompts only): the context is the step's own rows, where they were written
             slots = index if index.numel() else kwargs["write_index"][allocator.index]
-            half = (self.rank + self.rope) // 2
-            k_pages, v_pages = views
-            k_rows, v_rows, rank = k_pages.reshape(-1, half), v_pages.reshape(-1, half), self.rank
+            (k_rows, v_rows), rank = views, self.rank
 
             def read():  # every context's latent, joined (for a layer that cannot take the kernel)
                 latent = join_split_rows(k_rows.index_select(0, slots), v_rows.index_select(0, slots), rank)
@@ -213,31 +244,44 @@ def latent_cache_class():
             if in_place is not None:
                 return in_place
             rank, width = self.rank, self.rank + self.rope
-            half = math.ceil(width / 2)
-            k_new, v_new = self._half_rows(key_states, value_states)
+            first, second = self._rows(key_states, value_states)
             allocator = self.layer_to_allocator[layer_idx]
             views = None if self.split else page_views(allocator, layer_idx)
             if views is None:  # the engine's own read-back (or the step's rows when nothing is read), joined
-                k_half, v_half = super().update(k_new, v_new, layer_idx, kwargs)
-                k_half, v_half = k_half[0, 0], v_half[0, 0]
-                latent = (join_split_rows(k_half, v_half, rank) if self.split else
-                          torch.cat([k_half, v_half], dim=-1))
-                return latent[None, None, :, :rank], latent[None, None, :, rank:width]
+                return self._latent(*super().update(first, second, layer_idx, kwargs))
             read_index = kwargs["read_index"]
-            self._write_only(k_new, v_new, layer_idx, kwargs)
+            self._write_only(first, second, layer_idx, kwargs)
             index = read_index[allocator.index]
             if index.numel() == 0:  # nothing cached is read (fresh prompts only): the new rows are the context
                 return key_states, value_states
             # every context's rows joined once, with room for a whole last page of the decode kernel's view
             # (``ragged.latent_pages`` reads it in place); only the rows the step reads are gathered
-            k_pages, v_pages = views
+            k_rows, v_rows = views
             rows = index.shape[0]
-            latent = k_new.new_empty(-(-rows // LATENT_PAGE) * LATENT_PAGE, 2 * half)
-            latent_gather(k_pages.reshape(-1, half), v_pages.reshape(-1, half), index, kwargs["cu_seq_lens_k"][-1:],
-                          latent)
+            latent = key_states.new_empty(-(-rows // LATENT_PAGE) * LATENT_PAGE, 2 * k_rows.shape[-1])
+            latent_gather(k_rows, v_rows, index, kwargs["cu_seq_lens_k"][-1:], latent)
             return latent[None, None, :rows, :rank], latent[None, None, :rows, rank:width]
 
     return LatentPagedAttentionCache
+
+
+def latent_allocator_of(cache, latent: tuple[int, int]) -> bool:
+    """Whether the engine's pool holds whole latent rows (Transformers 5.25+ for a config with ``kv_lora_rank``) rather
+    than K / V half rows; a latent allocator whose rows are not exactly this model's latent is refused clearly (its
+    columns would not hold what the fused layers write)."""
+    import transformers
+
+    kinds = {cb_latent_allocator(a) for a in cache.cache_allocators.values()}
+    if kinds != {False}:
+        rank, rope = latent
+        layouts = {cb_latent_row_layout(a) for a in cache.cache_allocators.values() if cb_latent_allocator(a)}
+        if len(kinds) != 1 or layouts != {(rank, rank + rope)}:
+            raise ValueError(
+                f"continuous batching: the latent cache allocator of transformers {transformers.__version__} sizes "
+                f"rows as (kv_lora_rank, kv_lora_rank + qk_rope_head_dim) = {sorted(layouts)} from the config, but "
+                f"the fused MLA layers write latents of rank {rank} + rope {rope}"
+            )
+    return kinds == {True}
 
 
 @functools.cache
@@ -286,6 +330,7 @@ def manager_class():
                 # the engine builds its cache by name; the instance becomes ours (same state, latent-aware update)
                 cache.__class__ = latent_cache
             cache.rank, cache.rope = self.latent
+            cache.latent_allocator = latent_allocator_of(cache, self.latent)
             return processor
 
     return LatentContinuousBatchingManager

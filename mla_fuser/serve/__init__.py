@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 
-from ..compat import FEATURE_MIN_VERSION, transformers_version
+from ..compat import FEATURE_MIN_VERSION, SERVE_REBUILT, transformers_version
 
 # Transformers' `serving` extra, as far as its server needs (its `is_serve_available` names the first four)
 SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "openai", "starlette")
@@ -42,9 +42,17 @@ def missing_packages() -> list[str]:
 
 def unsupported() -> str | None:
     """Why the installed Transformers cannot serve a fused model, or None."""
+    import transformers
+
+    if transformers_version() >= SERVE_REBUILT:
+        first, last = ".".join(map(str, MIN_VERSION)), f"{SERVE_REBUILT[0]}.{SERVE_REBUILT[1] - 1}"
+        return (f"serve drives Transformers' in-process server of transformers {first} to {last}; transformers "
+                f"{transformers.__version__} rebuilt it around per-model engine processes that load models "
+                f"themselves, which mla-fuser serve does not support yet: pip install 'transformers[serving]<"
+                f"{SERVE_REBUILT[0]}.{SERVE_REBUILT[1]}' (generate_batch and init_continuous_batching work on "
+                f"{transformers.__version__})")
     if transformers_version() >= MIN_VERSION:
         return None
-    import transformers
 
     need = ".".join(map(str, MIN_VERSION))
     return (f"serve needs transformers>={need} (continuous batching of fused MLA models), installed "
