@@ -23,6 +23,7 @@ is not kept.  One kept step per model, taken out while a call uses it, so concur
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,9 @@ from ..plans import model_state
 SIZE_STEP = 256
 # module attributes that say which PEFT adapters a tuner layer runs (changed without touching any parameter)
 _ADAPTER_STATE = ("active_adapters", "disable_adapters", "merged_adapters")
+# taking a kept step out is one read and one write of the model's state: two threads calling generate at once must
+# never both get it
+_LOCK = threading.Lock()
 
 
 @dataclass
@@ -85,7 +89,8 @@ def take(model, key: tuple | None):
     """``(cache, graph)`` kept by the model's last graphed call when ``key`` and the model still match (the cache
     emptied, its memory where it was), else None; either way nothing stays kept (a mismatch frees it)."""
     state = model_state(model)
-    kept, state.kept_step = state.kept_step, None
+    with _LOCK:
+        kept, state.kept_step = state.kept_step, None
     if kept is None or key is None or kept.key != key or kept.fingerprint != model_fingerprint(model):
         return None
     if not kept.cache.restart():
@@ -97,7 +102,9 @@ def keep(model, key: tuple | None, cache, graph) -> bool:
     """Keep ``cache`` and ``graph`` for the model's next call of shape ``key`` (None: not kept)."""
     if key is None or not envs.reuse_decode_graphs():
         return False
-    model_state(model).kept_step = KeptStep(key, model_fingerprint(model), cache, graph)
+    kept = KeptStep(key, model_fingerprint(model), cache, graph)
+    with _LOCK:
+        model_state(model).kept_step = kept
     return True
 
 
@@ -106,5 +113,6 @@ def release_decode_graphs(model) -> bool:
     once nothing else holds them; ``torch.cuda.empty_cache()`` then returns the memory to the device).  True when
     something was kept."""
     state = model_state(model)
-    kept, state.kept_step = state.kept_step, None
+    with _LOCK:
+        kept, state.kept_step = state.kept_step, None
     return kept is not None
