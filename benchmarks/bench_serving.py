@@ -218,7 +218,7 @@ async def _stream_completion(port, body, deadline):
                     error = chunk.get("error") or chunk.get("detail") or chunk
                     continue
                 now = time.perf_counter()
-                if chunk["choices"][0].get("text"):
+                if chunk.get("choices") and chunk["choices"][0].get("text"):  # (5.25's usage chunk has no choices)
                     first, last = first or now, now
                 usage = chunk.get("usage") or usage
     finally:
@@ -262,9 +262,10 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _send(port, texts, outputs, concurrency, timeout, workdir):
+def _send(port, texts, outputs, concurrency, timeout, workdir, name="bench"):
     """Run the client process over ``texts``; its parsed output."""
-    bodies = [{"model": "bench", "prompt": t, "max_tokens": n, "temperature": 0, "stream": True,
+    bodies = [{"model": name, "prompt": t, "max_tokens": n, "temperature": 0, "stream": True,
+               "stream_options": {"include_usage": True},  # (5.25 sends usage only when asked; 5.24 ignores it)
                "generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})}
               for t, n in zip(texts, outputs)]
     path = os.path.join(workdir, f"http_requests_{os.getpid()}.json")
@@ -279,14 +280,33 @@ def _send(port, texts, outputs, concurrency, timeout, workdir):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run_http(model, tokenizer, texts, outputs, cb_config, concurrency, warmup, timeout=3600, workdir="/tmp"):
-    """The workload through Transformers' server (``mla_fuser.serve.app``) on ``model``: client-side output tokens/s,
-    TTFT (send -> first text) and TPOT ((last text - first text) / (tokens - 1)) p50/p99."""
-    import uvicorn
+def _server_app(model, tokenizer, cb_config, model_args, interval):
+    """``(app, served name, shutdown)``: up to Transformers 5.24 the server in this process over ``model``
+    (``mla_fuser.serve.app``); from 5.25 its API server here and an engine process of its own, where our loader loads
+    and fuses the model of ``model_args`` again (``mla_fuser.serve.engine``), as ``mla-fuser serve`` does."""
+    from mla_fuser.compat import serving_in_engine_processes
 
+    if serving_in_engine_processes():
+        from mla_fuser.serve import SWITCH_INTERVAL_S
+        from mla_fuser.serve.engine import build_app
+
+        name = model_args["preset"]
+        app, manager = build_app(name, model_args, continuous_batching=True, cb_config=cb_config,
+                                 switch_interval=interval or SWITCH_INTERVAL_S)
+        return app, name, manager.shutdown
     from mla_fuser.serve.app import build_app
 
     app, state = build_app(model, tokenizer, "bench", continuous_batching=True, cb_config=cb_config)
+    return app, "bench", state.shutdown
+
+
+def run_http(model, tokenizer, texts, outputs, cb_config, concurrency, warmup, timeout=3600, workdir="/tmp",
+             model_args=None, interval=None):
+    """The workload through Transformers' server on ``model`` (``_server_app``): client-side output tokens/s,
+    TTFT (send -> first text) and TPOT ((last text - first text) / (tokens - 1)) p50/p99."""
+    import uvicorn
+
+    app, name, shutdown = _server_app(model, tokenizer, cb_config, model_args or {}, interval)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="bench-http-server", daemon=True)
@@ -298,12 +318,12 @@ def run_http(model, tokenizer, texts, outputs, cb_config, concurrency, warmup, t
                 raise RuntimeError("the HTTP server did not start")
             time.sleep(0.05)
         if warmup:
-            _send(port, texts[:warmup], outputs[:warmup], concurrency, timeout, workdir)
-        run = _send(port, texts, outputs, concurrency, timeout, workdir)
+            _send(port, texts[:warmup], outputs[:warmup], concurrency, timeout, workdir, name)
+        run = _send(port, texts, outputs, concurrency, timeout, workdir, name)
     finally:
         server.should_exit = True
         thread.join(timeout=60)
-        state.shutdown()
+        shutdown()
     results = [r for r in run["results"] if r is not None]
     ok = [r for r in results if r["status"] == 200 and r["error"] is None]
     wall = max(r["end"] for r in results) - run["start"]
@@ -470,7 +490,9 @@ def main(argv=None):
 
         cb = ContinuousBatchingConfig(max_memory_percent=args.max_memory_percent, num_blocks=args.num_blocks,
                                       use_cuda_graph=graphs, max_batch_tokens=args.max_batch_tokens, **ENGINE_EXTRA)
-        result["fused_http"] = run_http(fused, tokenizer, texts, outputs, cb, args.http_concurrency, args.warmup)
+        model_args = dict(model=None, preset=args.preset, dtype=args.dtype, device=args.device, seed=0)
+        result["fused_http"] = run_http(fused, tokenizer, texts, outputs, cb, args.http_concurrency, args.warmup,
+                                        model_args=model_args, interval=args.switch_interval)
         result["http_over_in_process"] = (result["fused_http"]["output_tok_per_s"]
                                           / result["fused_cb"]["output_tok_per_s"])
         if result.get("fused_cb_capped", {}).get("concurrency") == args.http_concurrency:  # the same offered load

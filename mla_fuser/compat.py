@@ -165,14 +165,17 @@ def cb_latent_rows(allocator, layer_idx: int):
     return rows
 
 
-# ---- `mla-fuser serve`: Transformers' server pieces (transformers.cli.serving), 5.19 to 5.24 ----------------------
-# Its constructors grew keywords release by release (ModelManager(continuous_batching=) in 5.23,
-# build_server(systemone_handler=) in 5.21): the serve layer offers every keyword it can fill and keeps those the
-# installed release takes, so no release check is spread over the code.
-# Transformers 5.25 rebuilt that server: each model runs in a spawned process of its own (``EngineClient``) that
-# loads it through a ``ModelLoader`` by repository name; ``TimedModel`` and the in-process generation managers the
-# serve layer extends are gone.  ``mla-fuser serve`` drives the in-process server only: from this release on it
-# refuses with a clear error (``serve.unsupported``) instead of failing on an import.
+# ---- `mla-fuser serve`: Transformers' server pieces (transformers.cli.serving) ------------------------------------
+# 5.19 to 5.24: an in-process server (``serve.app``).  Its constructors grew keywords release by release
+# (ModelManager(continuous_batching=) in 5.23, build_server(systemone_handler=) in 5.21): the serve layer offers every
+# keyword it can fill and keeps those the installed release takes, so no release check is spread over the code.
+# 5.25 rebuilt that server (``serve.engine``): each model runs in a spawned process of its own (``EngineClient``),
+# which loads it with a copy of the server's ``ModelLoader`` (pickled); ``TimedModel`` and the in-process generation
+# managers are gone.  What the serve layer uses there: a ``ModelLoader`` subclass (our model, fused, in the engine
+# process; config and tokenizer of a preset in the API server), ``ModelManager.preload_engine`` (the pinned model's
+# ``EngineClient``, a subclass capping new tokens at the context), the handlers' ``_check_prompt_length`` (our
+# message), and Transformers' own client-disconnect cancelling, plain ASGI request-id middleware, per-stream SSE
+# templates and per-request log lines (``set_serve_log_level``), which replace ours from that release on.
 SERVE_REBUILT = (5, 25)
 SERVING_OPTIONAL_HANDLERS = {"systemone_handler": ("systemone", "SystemOneHandler")}  # keyword -> (module, class)
 
@@ -204,3 +207,17 @@ def serving_engine(generate_manager):
     """The continuous-batching manager behind Transformers' serving ``CBGenerateManager`` (its private ``_cb``; None
     before the first request), which the serve layer needs to cancel a request whose HTTP client went away."""
     return getattr(generate_manager, "_cb", None)
+
+
+def serving_in_engine_processes() -> bool:
+    """Whether the installed Transformers' server runs each model in an engine process of its own (5.25 on), which
+    ``serve.engine`` drives, rather than in the server's process (``serve.app``)."""
+    return transformers_version() >= SERVE_REBUILT
+
+
+def serving_log_requests(level: int) -> None:
+    """Transformers' serve messages at ``level``, with its line per request (``Request <id>: model ...``; from 5.25,
+    where it is off unless asked; before, every handler logged ``[Request received]`` at warning anyway)."""
+    from transformers.cli.serving.utils import set_serve_log_level
+
+    set_serve_log_level(level, log_requests=True)

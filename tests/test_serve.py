@@ -6,6 +6,7 @@ greedy ``generate()`` for the same prompt (a fused copy of the same seeded prese
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,6 +31,9 @@ needs_server = pytest.mark.skipif(
     reason=(f"serving dependencies missing ({', '.join(MISSING)}): {INSTALL_HINT}" if MISSING else
             f"serve needs transformers>={'.'.join(map(str, MIN_VERSION))}"))
 CALL_TIMEOUT = 60  # seconds, any one HTTP call
+# a stream's usage chunk, as the OpenAI API has clients ask for it (Transformers sends it only then from 5.25; before,
+# it ignored the field and always sent it)
+USAGE = {"include_usage": True}
 START_TIMEOUT = 90  # seconds, the server's start (import, build, fuse) on a busy 2-core machine
 
 
@@ -37,6 +41,12 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _requests_logged(log: str) -> int:
+    """How many requests the server's handlers have logged: Transformers' ``[Request received]`` warning up to 5.24,
+    its ``Request <id>: model ...`` line from 5.25 (which serve turns on)."""
+    return log.count("[Request received]") + len(re.findall(r"(?m)Request \S+: model ", log))
 
 
 def _get(port, path):
@@ -140,9 +150,10 @@ def _complete(client, prompt, max_tokens, stream=False, **kw):
         return out.choices[0].text, out.usage.completion_tokens, out.choices[0].finish_reason
     text, usage, finish = "", None, None
     for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                           stream=True, **kw):
-        text += chunk.choices[0].text or ""
-        finish = chunk.choices[0].finish_reason or finish
+                                           stream=True, stream_options=USAGE, **kw):
+        if chunk.choices:  # (the usage chunk has none, as the OpenAI API sends it)
+            text += chunk.choices[0].text or ""
+            finish = chunk.choices[0].finish_reason or finish
         usage = chunk.usage or usage
     return text, usage.completion_tokens, finish
 
@@ -154,7 +165,7 @@ def _chat(client, messages, max_tokens, stream=False):
         return out.choices[0].message.content, out.usage.completion_tokens, out.choices[0].finish_reason
     text, usage, finish = "", None, None
     for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
-                                                stream=True):
+                                                stream=True, stream_options=USAGE):
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
             finish = chunk.choices[0].finish_reason or finish
@@ -255,6 +266,19 @@ def test_bad_requests_fail_alone_with_4xx(server, reference):
 
 
 @needs_server
+def test_new_tokens_are_capped_at_what_the_context_holds(server, reference):
+    """A prompt near the end of the context asking for more new tokens than fit gets those that fit (finish reason
+    ``length``), the model's own generate() for that many, never positions past the context."""
+    prompt = "ab " * 3900
+    ids = _completion_ids(reference, prompt)
+    room = 4096 - len(ids)
+    out = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=room + 300, temperature=0)
+    got = (out.choices[0].text, out.usage.completion_tokens, out.choices[0].finish_reason)
+    assert got == _expected(reference, ids, room)
+    assert out.usage.prompt_tokens == len(ids) and got[1:] == (room, "length")
+
+
+@needs_server
 def test_client_disconnect_cancels_its_request(server, reference):
     """A stream closed after three chunks is cancelled in the engine (logged with its request id); a request
     streaming beside it is untouched."""
@@ -281,14 +305,14 @@ def test_json_client_that_leaves_cancels_its_request(server, reference):
     its right answer."""
     prompt = "beside it"
     body = json.dumps({"model": MODEL, "prompt": "nobody waits", "max_tokens": 3000, "temperature": 0}).encode()
-    received = server.log_text().count("[Request received]")
+    received = _requests_logged(server.log_text())
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         with socket.create_connection(("127.0.0.1", server.port), timeout=CALL_TIMEOUT) as conn:
             conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"X-Request-ID: json-leaves-early\r\nContent-Length: " + str(len(body)).encode()
                          + b"\r\n\r\n" + body)
             deadline = time.monotonic() + CALL_TIMEOUT
-            while server.log_text().count("[Request received]") == received:  # the handler has it
+            while _requests_logged(server.log_text()) == received:  # the handler has it
                 assert time.monotonic() < deadline, server.log_text()[-3000:]
                 time.sleep(0.1)
             other = pool.submit(_complete, server.client(), prompt, 20)
@@ -345,14 +369,23 @@ def test_refused_below_the_supported_transformers(capsys):
 
 
 @pytest.mark.skipif(compat.transformers_version() < compat.SERVE_REBUILT,
-                    reason="the refusal is for the rebuilt server of transformers>=5.25")
-def test_refused_clearly_on_the_rebuilt_server_of_5_25(capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["serve"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "rebuilt it around per-model engine processes" in err
-    assert "transformers[serving]<5.25" in err
+                    reason="the engine-process server is that of transformers>=5.25")
+def test_the_rebuilt_server_of_5_25_is_served_through_our_loader():
+    """5.25's server (a spawned engine process per model) is driven, not refused: the engine loads our model with a
+    pickled copy of the loader, which must survive the trip and load nothing but our model."""
+    import pickle
+
+    from mla_fuser import serve
+    from mla_fuser.serve.engine import MODEL_ARGS, FusedModelLoader
+
+    assert serve.unsupported() is None and compat.serving_in_engine_processes()
+    args = {"model": None, "preset": MODEL, "dtype": "fp32", "device": None, "seed": 0}
+    loader = pickle.loads(pickle.dumps(FusedModelLoader(MODEL, {k: args[k] for k in MODEL_ARGS}, 0.001)))
+    config, generation_config = loader.load_config(f"{MODEL}@main")
+    tokenizer = loader.load_processor(f"{MODEL}@main")
+    assert config.max_position_embeddings == 4096 and generation_config.eos_token_id == tokenizer.eos_token_id
+    with pytest.raises(ValueError, match="serves 'deepseek-v2-lite-tiny' only"):
+        loader.load_config("another/model@main")
 
 
 def test_missing_dependencies_say_what_to_install(capsys, monkeypatch):
@@ -399,7 +432,8 @@ def _usage_error(capsys, monkeypatch, argv) -> str:
     (["serve", "--cb-max-memory-percent", "1.5"], "argument --cb-max-memory-percent: expected a number in (0, 1]"),
     (["serve", "--cb-num-blocks", "0"], "argument --cb-num-blocks: expected a positive integer"),
     (["serve", "--timeout-graceful-shutdown", "-1"], "expected seconds"),
-    (["serve", "--cb-max-requests-per-batch", "0"], "argument --cb-max-requests-per-batch: expected a positive integer"),
+    (["serve", "--cb-max-requests-per-batch", "0"],
+     "argument --cb-max-requests-per-batch: expected a positive integer"),
     (["serve", "--switch-interval", "0"], "argument --switch-interval: expected seconds in (0, 1]"),
     (["serve", "--switch-interval", "soon"], "argument --switch-interval: expected seconds in (0, 1]"),
 ])
@@ -439,7 +473,8 @@ def test_cb_options_reach_the_engine_config_or_fail_by_name(capsys, monkeypatch)
 
     monkeypatch.setattr(transformers, "ContinuousBatchingConfig", OlderConfig)
     err = _usage_error(capsys, monkeypatch, ["serve", "--cb-max-requests-per-batch", "256"])
-    assert "--cb-max-requests-per-batch needs a Transformers whose ContinuousBatchingConfig has max_requests_per_batch" in err
+    assert ("--cb-max-requests-per-batch needs a Transformers whose ContinuousBatchingConfig has "
+            "max_requests_per_batch") in err
 
 
 @needs_server
@@ -457,3 +492,28 @@ def test_checkpoint_loads_fused_with_its_own_tokenizer(checkpoint):
     assert model.fusion_report.rows and all(r.status == "fused" for r in model.fusion_report.rows if r.fuser == "mla")
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                          add_generation_prompt=True) == "<|bos|><|user|>hi<|eos|><|assistant|>"
+
+
+@needs_server
+@pytest.mark.skipif(compat.transformers_version() < compat.SERVE_REBUILT,
+                    reason="the engine-process loader is for transformers>=5.25")
+def test_engine_loader_loads_a_checkpoint_fused_with_its_own_tokenizer(checkpoint, capsys):
+    """``serve MODEL_DIR``'s loading on 5.25, as the engine process runs it (a pickled copy of the loader): the
+    package's loader (fused), the checkpoint's tokenizer, and the generation config the API server reads."""
+    import pickle
+
+    from transformers.cli.serving.utils import canonical_model_id
+
+    from mla_fuser.presets import preset_tokenizer
+    from mla_fuser.serve.engine import FusedModelLoader
+
+    preset_tokenizer(MODEL).save_pretrained(checkpoint)
+    name = str(checkpoint)
+    args = {"model": name, "preset": MODEL, "dtype": "float32", "device": None, "seed": 0}
+    loader = pickle.loads(pickle.dumps(FusedModelLoader(name, args)))
+    model, tokenizer = loader.load_model_and_processor(canonical_model_id(name))
+    assert len(tokenizer) == model.config.vocab_size
+    assert model.fusion_report.rows and all(r.status == "fused" for r in model.fusion_report.rows if r.fuser == "mla")
+    assert loader.load_config(name)[1].eos_token_id == model.generation_config.eos_token_id
+    assert f"model: {name}" in capsys.readouterr().out
+

@@ -2,14 +2,16 @@
 
 Why not ``transformers serve``: it loads models itself and accepts only its own attention names, so it cannot serve a
 fused model.  Here the model is loaded and fused by this package (a preset with its built-in tokenizer, or a local
-checkpoint with its own), then handed to Transformers' server pieces (``serve.app``), with continuous batching on by
-default (the fused model's ``init_continuous_batching``, over latent pages).
+checkpoint with its own) and served by Transformers' server pieces, with continuous batching on by default (the fused
+model's ``init_continuous_batching``, over latent pages).  Up to Transformers 5.24 the server runs in this process
+and gets the loaded model (``serve.app``); from 5.25 it runs each model in an engine process of its own that loads it
+with a loader it is given, so it gets our loader, which loads and fuses the model there (``serve.engine``).
 
 The ``--cb-*`` options are those of ``transformers serve``, with the same meaning, plus ``--cb-max-requests-per-batch``
 (the engine's ``max_requests_per_batch``, which ``transformers serve`` does not offer); this package imports the server
 dependencies (FastAPI, uvicorn, openai: Transformers' ``serving`` extra) only here, after checking they are installed.
 Shutdown (SIGINT/SIGTERM): uvicorn stops accepting, in-flight requests finish within ``--timeout-graceful-shutdown``
-seconds or are cancelled in the engine, the engine stops, the process exits 0.
+seconds or are cancelled in the engine, the engine (from 5.25: its process) stops, the process exits 0.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import signal
 import sys
 
-from ..compat import FEATURE_MIN_VERSION, SERVE_REBUILT, transformers_version
+from ..compat import FEATURE_MIN_VERSION, serving_in_engine_processes, serving_log_requests, transformers_version
 
 # Transformers' `serving` extra, as far as its server needs (its `is_serve_available` names the first four)
 SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "openai", "starlette")
@@ -44,16 +46,8 @@ def unsupported() -> str | None:
     """Why the installed Transformers cannot serve a fused model, or None."""
     import transformers
 
-    if transformers_version() >= SERVE_REBUILT:
-        first, last = ".".join(map(str, MIN_VERSION)), f"{SERVE_REBUILT[0]}.{SERVE_REBUILT[1] - 1}"
-        return (f"serve drives Transformers' in-process server of transformers {first} to {last}; transformers "
-                f"{transformers.__version__} rebuilt it around per-model engine processes that load models "
-                f"themselves, which mla-fuser serve does not support yet: pip install 'transformers[serving]<"
-                f"{SERVE_REBUILT[0]}.{SERVE_REBUILT[1]}' (generate_batch and init_continuous_batching work on "
-                f"{transformers.__version__})")
     if transformers_version() >= MIN_VERSION:
         return None
-
     need = ".".join(map(str, MIN_VERSION))
     return (f"serve needs transformers>={need} (continuous batching of fused MLA models), installed "
             f"{transformers.__version__}: pip install -U 'transformers[serving]>={need}'")
@@ -149,12 +143,8 @@ class switch_interval:
         sys.setswitchinterval(self.previous)
 
 
-def run(args) -> int:
-    """Load, fuse, print the fusion report, serve until SIGINT/SIGTERM; 0 after a clean shutdown."""
-    signals = _Signals()
-    _log_to_stderr()
-    import uvicorn
-
+def _in_process_app(args):
+    """Transformers 5.19-5.24: the model loaded and fused here, handed to the server (``serve.app``)."""
     from .app import build_app
 
     model, tokenizer, name = load_served_model(args)
@@ -162,11 +152,45 @@ def run(args) -> int:
     print(model.fusion_report, flush=True)
     app, state = build_app(model, tokenizer, name, continuous_batching=args.continuous_batching,
                            cb_config=cb_config(args))
+    return app, name, state.shutdown, None
+
+
+def _engine_process_app(args, interval: float):
+    """Transformers 5.25 on: the model loaded and fused in the server's engine process by our loader
+    (``serve.engine``; it prints the fusion report there); returns once it is loaded."""
+    from .engine import MODEL_ARGS, build_app
+
+    serving_log_requests(logging.INFO)  # (a line per request, as every release before logged one)
+    name = args.model or args.preset
+    app, manager = build_app(name, {field: getattr(args, field, None) for field in MODEL_ARGS},
+                             continuous_batching=args.continuous_batching, cb_config=cb_config(args),
+                             switch_interval=interval)
+    return app, name, manager.shutdown, lambda: manager.is_dead
+
+
+def run(args) -> int:
+    """Load, fuse, print the fusion report, serve until SIGINT/SIGTERM; 0 after a clean shutdown, 1 when the
+    engine process died (the server then stops, as ``transformers serve`` does)."""
+    signals = _Signals()
+    _log_to_stderr()
+    import uvicorn
+
+    interval = getattr(args, "switch_interval", None) or SWITCH_INTERVAL_S
+    if serving_in_engine_processes():
+        app, name, stop, engine_dead = _engine_process_app(args, interval)
+    else:
+        app, name, stop, engine_dead = _in_process_app(args)
+    watch = {}
+    if engine_dead is not None:  # (uvicorn calls it on its loop every few seconds)
+        async def stop_if_the_engine_died() -> None:
+            if engine_dead():
+                server.should_exit = True
+
+        watch = {"callback_notify": stop_if_the_engine_died, "timeout_notify": 5}
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+                            timeout_graceful_shutdown=args.timeout_graceful_shutdown, **watch)
     server = uvicorn.Server(config)
     mode = "continuous batching" if args.continuous_batching else "one request at a time (generate)"
-    interval = getattr(args, "switch_interval", None) or SWITCH_INTERVAL_S
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 ({mode}; GIL switch interval {interval * 1e3:g} ms); "
           "SIGINT/SIGTERM stops", flush=True)
     signals.serving = True
@@ -174,5 +198,9 @@ def run(args) -> int:
         with switch_interval(interval):
             server.run()
     finally:
-        state.shutdown()
+        stop()
+    if engine_dead is not None and engine_dead():
+        print("mla-fuser: error: the model's engine process died (see the error above): the server stopped",
+              file=sys.stderr, flush=True)
+        return 1
     return 0

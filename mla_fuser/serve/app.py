@@ -14,8 +14,8 @@ so it cannot serve a fused model.  Its pieces can: this module subclasses three 
 * :class:`CancelOnDisconnect`: a non-streaming request whose client goes away is cancelled in the engine (Starlette
   only notices a disconnect while it streams a response; a JSON answer would generate to its end for nobody).
 
-Bad JSON and unknown request fields get Transformers' (FastAPI's) own HTTP 422.  :func:`openai_errors` gives every
-error response the OpenAI API's shape as well, so OpenAI clients show the message, not only the status code.
+Bad JSON and unknown request fields get Transformers' (FastAPI's) own HTTP 422.  ``serve.common.openai_errors`` gives
+every error response the OpenAI API's shape as well, so OpenAI clients show the message, not only the status code.
 Imported only once the serving dependencies are known to be installed (``mla_fuser.serve.missing_packages``).
 """
 
@@ -24,11 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fastapi import HTTPException
-from fastapi.encoders import jsonable_encoder
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.model_manager import ModelManager, TimedModel
@@ -38,13 +33,10 @@ from transformers.cli.serving.transcription import TranscriptionHandler
 from transformers.cli.serving.utils import X_REQUEST_ID, BaseGenerateManager, GenerationState
 
 from ..compat import accepted_keywords, serving_engine, serving_optional_handlers
+from .common import check_prompt_room, check_token_limits, new_tokens_that_fit, openai_errors
 from .streaming import fast_text_chunks, replace_request_id_middleware
 
 logger = logging.getLogger("mla_fuser.serve")
-
-# the request fields that set how many tokens to generate (completions; chat completions; responses)
-TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-
 
 class PreloadedModelManager(ModelManager):
     """Transformers' model manager holding one model loaded (and fused) by us, under ``name``, never unloaded while
@@ -69,15 +61,6 @@ class PreloadedModelManager(ModelManager):
         return timed.model, timed.processor
 
 
-def check_token_limits(body: dict) -> None:
-    """HTTP 400 for a token limit that is not a positive integer (Transformers would queue a request that cannot
-    generate, or fail it later with a 500)."""
-    for key in TOKEN_LIMITS:
-        value = body.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise HTTPException(status_code=400, detail=f"{key} must be a positive integer, got {value!r}")
-
-
 def checked(handler_class: type) -> type:
     """``handler_class`` (a Transformers endpoint handler) whose requests pass :func:`check_token_limits` first."""
 
@@ -96,16 +79,8 @@ def fit_to_context(inputs, gen_config, context: int | None) -> None:
     new tokens at what the context holds (the response then says ``finish_reason: "length"``)."""
     ids = inputs["input_ids"]
     length = int(ids.shape[-1]) if hasattr(ids, "shape") else len(ids)
-    if length == 0:
-        raise HTTPException(status_code=400, detail="the prompt is empty after tokenization: send at least one token")
-    if context is None:
-        return
-    if length >= context:
-        raise HTTPException(status_code=400, detail=(
-            f"the prompt is {length} tokens, the model's context is {context} tokens: at most {context - 1} prompt "
-            "tokens leave room for one new token"))
-    room = context - length
-    gen_config.max_new_tokens = min(gen_config.max_new_tokens or room, room)
+    check_prompt_room(length, context)
+    gen_config.max_new_tokens = new_tokens_that_fit(gen_config.max_new_tokens, length, context)
 
 
 class _CancelLogged:
@@ -213,36 +188,6 @@ class CheckedGenerationState(GenerationState):
 
     def get_manager(self, model_id: str, use_cb: bool = False) -> BaseGenerateManager:
         return ContextCheckedManager(super().get_manager(model_id, use_cb=use_cb), self.context)
-
-
-def _error_response(status: int, message: str, detail, headers=None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status},
-                         "detail": jsonable_encoder(detail)}, status_code=status, headers=headers)
-
-
-def _validation_message(errors) -> str:
-    parts = []
-    for error in errors:
-        where = ".".join(str(part) for part in error.get("loc", ()))
-        why = (error.get("ctx") or {}).get("error")
-        parts.append(f"{where}: {error.get('msg')}" + (f" ({why})" if why else ""))
-    return "invalid request body: " + "; ".join(parts)
-
-
-def openai_errors(app) -> None:
-    """Error responses of ``app`` in the OpenAI API's shape, ``{"error": {"message", "type", "param", "code"}}``, with
-    FastAPI's ``detail`` kept beside it: the ``openai`` client puts ``error.message`` in its exception text (with
-    ``detail`` alone it says only "Error code: 400").  Installed through FastAPI's public exception handlers."""
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, exc):
-        message = exc.detail if isinstance(exc.detail, str) else str(jsonable_encoder(exc.detail))
-        return _error_response(exc.status_code, message, exc.detail, getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid_body(request, exc):
-        return _error_response(422, _validation_message(exc.errors()), exc.errors())
 
 
 def build_app(model, processor, name: str, *, continuous_batching: bool = True, cb_config=None):
