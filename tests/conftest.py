@@ -75,6 +75,15 @@ def close_to_reference(out, ref, dtype):
     assert err <= tol * scale, f"max err {err:.3e} vs scale {scale:.3e}"
 
 
+def native_and_fused_deepseek():
+    """``(native, fused)``: two tiny DeepSeek-V2 models with the same seeded weights, sdpa and ``vllm_mla`` fused."""
+    import mla_fuser
+
+    native, fused = tiny_deepseek(), tiny_deepseek(attn="vllm_mla")
+    mla_fuser.fuse(fused)
+    return native, fused
+
+
 def left_padded_prompts(lengths, vocab=128, seed=0):
     """Random prompts of the given lengths, left-padded with 0 to the longest, and their attention mask."""
     gen = torch.Generator().manual_seed(seed)

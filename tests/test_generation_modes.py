@@ -17,17 +17,14 @@ from mla_fuser.compat import cache_keyword
 from mla_fuser.runtime import generate as runtime_generate
 from mla_fuser.runtime.generate import last_generate_plan
 
-from conftest import left_padded_prompts, tiny_deepseek
+from conftest import left_padded_prompts, native_and_fused_deepseek, tiny_deepseek
 
 KW = cache_keyword(tiny_deepseek(layers=1))  # ``cache`` (5.2x) or ``past_key_values``
 
 
 @pytest.fixture(scope="module")
 def pair():
-    native = tiny_deepseek()
-    fused = tiny_deepseek(attn="vllm_mla")
-    mla_fuser.fuse(fused)
-    return native, fused
+    return native_and_fused_deepseek()
 
 
 @pytest.fixture

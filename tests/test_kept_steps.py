@@ -6,21 +6,17 @@ nothing is reused where the shape, the model or the caller's hold on the cache s
 import pytest
 import torch
 
-import mla_fuser
 from mla_fuser.plans import model_state
 from mla_fuser.runtime import generate as runtime_generate
 from mla_fuser.runtime import kept_steps
 from mla_fuser.runtime.generate import last_generate_plan
 
-from conftest import left_padded_prompts, tiny_deepseek
+from conftest import left_padded_prompts, native_and_fused_deepseek
 
 
 @pytest.fixture(scope="module")
 def pair():
-    native = tiny_deepseek()
-    fused = tiny_deepseek(attn="vllm_mla")
-    mla_fuser.fuse(fused)
-    return native, fused
+    return native_and_fused_deepseek()
 
 
 @pytest.fixture
