@@ -346,6 +346,25 @@ def test_decline_stays_native_in_fuse():
     assert holder.config._experts_implementation == "eager"
 
 
+def test_expert_parallel_experts_are_reported_as_running_transformers_implementation():
+    """Under expert parallelism each rank holds some experts, which the kernel does not take: the block still fuses
+    (router, shared experts) and the report says the experts run Transformers' own implementation."""
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = _cfg()
+            self.layers = nn.ModuleList([Block(), Block()])
+
+        def set_attn_implementation(self, name):
+            self.config._attn_implementation = name
+
+    holder = Holder().eval()
+    holder.layers[1].bank._is_expert_parallel = True  # (what Transformers sets on experts it shards by expert)
+    rows = {r.qualname: r for r in mla_fuser.fuse(holder).rows if r.fuser == "moe"}
+    assert rows["layers.1"].status == "fused" and "expert-parallel here" in rows["layers.1"].reason
+    assert "expert-parallel" not in rows["layers.0"].reason
+
+
 # ---------------------------------------------------------------- apply on toy blocks
 
 @pytest.mark.parametrize("make", [

@@ -280,10 +280,13 @@ def switch_experts(experts: nn.Module) -> str:
         raise NoMatch("the experts module has no config to select its implementation from")
     from ...kernels import fused_moe  # noqa: F401 - imported at fusion, not inside the first forward (a first impression)
 
+    # expert parallelism: each rank holds some of the experts, which the kernel does not take (_kernel_supports)
+    parallel = ("; expert-parallel here: Transformers' own implementation runs them"
+                if getattr(experts, "_is_expert_parallel", False) else "")
     if compat.experts_implementation(config) == IMPL_NAME:
-        return f"experts_implementation {IMPL_NAME!r} (selected by the model)"
+        return f"experts_implementation {IMPL_NAME!r} (selected by the model){parallel}"
     experts.config = _ExpertsConfigView(config)
-    return f"experts module switched to experts_implementation {IMPL_NAME!r}"
+    return f"experts module switched to experts_implementation {IMPL_NAME!r}{parallel}"
 
 
 # ---------------------------------------------------------------------------------------------------------
