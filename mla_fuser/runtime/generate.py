@@ -108,6 +108,7 @@ class GeneratePlan:
     layouts: int = 0  # cache memory layouts the steps ran on (each after the first would be a recapture)
     graph: DecodeGraph | None = None  # a DecodeGraph kept by an earlier call over ``cache`` (runtime.kept_steps)
     keep_key: tuple | None = None  # the shape under which the call keeps its cache and graph (None: not kept)
+    fingerprint: tuple | None = None  # kept_steps.model_fingerprint at the call's start (read once per call)
 
     def arguments(self, kwargs: dict, keyword: str) -> dict:
         """``kwargs`` with our cache under the model's keyword (any other cache keyword dropped) and our overrides."""
@@ -229,13 +230,15 @@ def _graphed_over_own_cache(model, shape: "CallShape", fallback=None, **extra) -
     turn when the call returns."""
     left = shape.padding is not None and _left_padding(shape.padding) is not None
     key = kept_steps.step_key(model, shape.batch, shape.max_seq_len, shape.padding, left)
-    found = kept_steps.take(model, key)
+    fingerprint = None if key is None else kept_steps.model_fingerprint(model)
+    found = kept_steps.take(model, key, fingerprint)
     if found is not None:
         cache, graph = found
-        return GeneratePlan(cache, graphed=True, padding=shape.padding, graph=graph, keep_key=key, **extra)
+        return GeneratePlan(cache, graphed=True, padding=shape.padding, graph=graph, keep_key=key,
+                            fingerprint=fingerprint, **extra)
     size = shape.max_seq_len if key is None else kept_steps.cache_size(shape.max_seq_len)
     plan = _graphed(model, PagedLatentCache.static_for(model, shape.batch, size), shape, fallback=fallback, **extra)
-    plan.keep_key = key if plan.graphed else None
+    plan.keep_key, plan.fingerprint = (key, fingerprint) if plan.graphed else (None, None)
     return plan
 
 
@@ -269,7 +272,7 @@ def generate_graphed(model, inner, cache, args, kwargs, padding=None, plan: Gene
                             graph=None if plan is None else plan.graph) as graphed:
             out = inner(*args, **kwargs)
         if plan is not None and (plan.give_back is not None or _cache_field(out, cache) is None):  # (not the caller's)
-            kept = kept_steps.keep(model, plan.keep_key, cache, graphed.graph)
+            kept = kept_steps.keep(model, plan.keep_key, cache, graphed.graph, plan.fingerprint)
     finally:
         if padding is not None and not kept:  # (a kept cache's next call sets its own padding, in place)
             cache.restore_padding()

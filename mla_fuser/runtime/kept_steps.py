@@ -85,24 +85,28 @@ def _frozen(value):
     return tuple(value) if isinstance(value, (list, tuple, set)) else value
 
 
-def take(model, key: tuple | None):
+def take(model, key: tuple | None, fingerprint: tuple | None = None):
     """``(cache, graph)`` kept by the model's last graphed call when ``key`` and the model still match (the cache
-    emptied, its memory where it was), else None; either way nothing stays kept (a mismatch frees it)."""
+    emptied, its memory where it was), else None; either way nothing stays kept (a mismatch frees it).
+    ``fingerprint``: the model's :func:`model_fingerprint` when the caller has it (one reading per call)."""
     state = model_state(model)
     with _LOCK:
         kept, state.kept_step = state.kept_step, None
-    if kept is None or key is None or kept.key != key or kept.fingerprint != model_fingerprint(model):
+    if kept is None or key is None or kept.key != key:
+        return None
+    if kept.fingerprint != (model_fingerprint(model) if fingerprint is None else fingerprint):
         return None
     if not kept.cache.restart():
         return None
     return kept.cache, kept.graph
 
 
-def keep(model, key: tuple | None, cache, graph) -> bool:
-    """Keep ``cache`` and ``graph`` for the model's next call of shape ``key`` (None: not kept)."""
+def keep(model, key: tuple | None, cache, graph, fingerprint: tuple | None = None) -> bool:
+    """Keep ``cache`` and ``graph`` for the model's next call of shape ``key`` (None: not kept); ``fingerprint`` as
+    for :func:`take` (read at the start of the call: the call itself changes nothing it covers)."""
     if key is None or not envs.reuse_decode_graphs():
         return False
-    kept = KeptStep(key, model_fingerprint(model), cache, graph)
+    kept = KeptStep(key, model_fingerprint(model) if fingerprint is None else fingerprint, cache, graph)
     with _LOCK:
         model_state(model).kept_step = kept
     return True
