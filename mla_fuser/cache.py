@@ -533,8 +533,8 @@ class PagedLatentCache(DynamicCache):
         if dtype is not None and (not dtype.is_floating_point or (dtype.itemsize == 1 and dtype != FP8_DTYPE)):
             raise ValueError(f"PagedLatentCache dtype must be a floating dtype or torch.float8_e4m3fn, got {dtype}")
         self.page_size, self.latent_dtype = page_size, dtype
-        self.padding_starts: torch.Tensor | None = None  # set_left_padding; (order, starts) of move_padding_left:
-        self._moved_padding = None
+        self.padding_starts: torch.Tensor | None = None  # see set_left_padding
+        self._moved_padding = None  # (order, previous starts) while move_padding_left holds
         self.max_cache_tokens = max_cache_tokens
         self.memory_fraction = memory_fraction
         self.static = static

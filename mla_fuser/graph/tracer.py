@@ -168,9 +168,10 @@ class MetaTracer(fx.Tracer):
         return self._meta_params[key]
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        # fx names nodes after the target's ``__name__``, which a callable object (a ``kernels`` function module)
+        # lacks: after its class then
         if name is None and kind == "call_function" and not hasattr(target, "__name__"):
-            name = type(target).__name__.lower()  # (a callable object, e.g. a ``kernels`` function module: fx names
-            #                                        nodes after ``__name__``)
+            name = type(target).__name__.lower()
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         node = proxy.node
         self._computing_meta = True

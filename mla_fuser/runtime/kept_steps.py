@@ -85,13 +85,19 @@ def _frozen(value):
     return tuple(value) if isinstance(value, (list, tuple, set)) else value
 
 
+def _taken_out(model) -> KeptStep | None:
+    """The model's kept step, if any, no longer kept."""
+    state = model_state(model)
+    with _LOCK:
+        kept, state.kept_step = state.kept_step, None
+    return kept
+
+
 def take(model, key: tuple | None, fingerprint: tuple | None = None):
     """``(cache, graph)`` kept by the model's last graphed call when ``key`` and the model still match (the cache
     emptied, its memory where it was), else None; either way nothing stays kept (a mismatch frees it).
     ``fingerprint``: the model's :func:`model_fingerprint` when the caller has it (one reading per call)."""
-    state = model_state(model)
-    with _LOCK:
-        kept, state.kept_step = state.kept_step, None
+    kept = _taken_out(model)
     if kept is None or key is None or kept.key != key:
         return None
     if kept.fingerprint != (model_fingerprint(model) if fingerprint is None else fingerprint):
@@ -116,7 +122,4 @@ def release_decode_graphs(model) -> bool:
     """Free the static cache and captured decode step ``model``'s last graphed ``generate()`` kept (they are freed
     once nothing else holds them; ``torch.cuda.empty_cache()`` then returns the memory to the device).  True when
     something was kept."""
-    state = model_state(model)
-    with _LOCK:
-        kept, state.kept_step = state.kept_step, None
-    return kept is not None
+    return _taken_out(model) is not None

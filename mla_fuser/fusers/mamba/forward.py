@@ -101,12 +101,16 @@ def fused_forward(self: nn.Module, *args, **kwargs):
         return mixer_forward(self, plan.match, KERNELS, arguments[first], cache, mask)
 
 
+def _recording_past(cache, layer_idx) -> bool:
+    """Whether the cache records this layer's past states (for crops after assisted decoding)."""
+    recording = getattr(cache, "is_recording_past", None)
+    return recording is not None and bool(recording(layer_idx))
+
+
 def _keeps_intermediate_states(cache, layer_idx) -> bool:
-    """Whether the cache records this layer's past states (Transformers 5.25, for crops after assisted decoding): the
-    original then keeps a state per token of a step and updates states out of place, which the fused steps (in place)
-    do not."""
-    keep = getattr(cache, "get_recurrent_states_to_keep", None)
-    return keep is not None and bool(getattr(cache, "is_recording_past", lambda i: False)(layer_idx))
+    """Whether the cache records this layer's past states the way Transformers 5.25 does: the original then keeps a
+    state per token of a step and updates states out of place, which the fused steps (in place) do not."""
+    return hasattr(cache, "get_recurrent_states_to_keep") and _recording_past(cache, layer_idx)
 
 
 def mixer_forward(module: nn.Module, m: MambaMatch, ops: _Ops, hidden_states, cache=None, mask=None):
@@ -136,7 +140,7 @@ def _conv(module, m, ops, x, cache, conv_state, layer_idx):
     seq_len = x.shape[-1]
     conv = module.get_submodule(m.conv1d)
     weight, bias = conv.weight.squeeze(1), conv.bias
-    recording = cache is not None and getattr(cache, "is_recording_past", lambda i: False)(layer_idx)
+    recording = cache is not None and _recording_past(cache, layer_idx)
     if conv_state is not None and seq_len == 1 and not recording:
         count = getattr(cache, "increase_count", None)  # (5.25: a step the cache does not see is counted)
         if count is not None:
