@@ -159,6 +159,48 @@ def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_gr
     return out
 
 
+def parse_engine_settings(text: str) -> list[dict]:
+    """``--ab-engine``'s settings: ``'a=1,b=2;a=3'`` -> ``[{'a': 1, 'b': 2}, {'a': 3}]`` (integer fields only)."""
+    settings = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        setting = {}
+        for item in filter(None, (i.strip() for i in part.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or not value.strip().lstrip("-").isdigit():
+                raise ValueError(f"--ab-engine: {item!r} is not FIELD=INTEGER")
+            setting[key.strip()] = int(value)
+        settings.append(setting)
+    if not settings:
+        raise ValueError("--ab-engine: no setting given")
+    return settings
+
+
+def engine_ab(model, prompts, outputs, args, graphs, warmup, device):
+    """The whole workload served once per ``--ab-engine`` setting (each over this run's ``ENGINE_EXTRA`` and
+    ``--max-batch-tokens``), in order, by one model: throughput, TTFT, TPOT and peak memory per setting."""
+    rows, base = [], dict(ENGINE_EXTRA)
+    for setting in parse_engine_settings(args.ab_engine):  # (fields checked by main)
+        extra = dict(base, **setting)
+        max_batch_tokens = extra.pop("max_batch_tokens", args.max_batch_tokens)
+        ENGINE_EXTRA.clear()
+        ENGINE_EXTRA.update(extra)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            run = run_cb(model, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs, max_batch_tokens,
+                         warmup)
+        finally:
+            ENGINE_EXTRA.clear()
+            ENGINE_EXTRA.update(base)
+        row = {"setting": setting, **{k: run[k] for k in ("output_tok_per_s", "ttft_s", "tpot_ms", "graph_captures",
+                                                          "failed", "wrong_lengths", "num_blocks", "wall_s")}}
+        if device.type == "cuda":
+            row["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def _run_summary(ids, results, wall):
     """One timed run's figures: requests, failures, lengths, output tokens/s, TTFT and TPOT (p50/p99, every TPOT)."""
     failed = [r for r in results.values() if r.error]
@@ -411,6 +453,10 @@ def main(argv=None):
     p.add_argument("--ab-switch-intervals", default=None,
                    help="comma list of switch intervals (s): before everything else, serve the workload in process "
                         "under --in-process-concurrency once per value, alternating, in this one process (an A/B)")
+    p.add_argument("--ab-engine", default=None,
+                   help="';'-separated engine settings, each a comma list of ContinuousBatchingConfig fields "
+                        "(e.g. 'max_requests_per_batch=256;max_requests_per_batch=512,max_batch_tokens=4096'): before "
+                        "everything else, serve the whole workload once per setting in this one process (an A/B)")
     p.add_argument("--http-client", nargs=2, metavar=("PORT", "REQUESTS_JSON"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.http_client:  # (the client process of --http)
@@ -419,6 +465,17 @@ def main(argv=None):
         args.preset, args.device, args.dtype = "deepseek-v2-lite-tiny", "cpu", "fp32"
         args.requests, args.prompt_range, args.output_range = 12, [4, 40], [2, 12]
         args.static_batch, args.native_requests, args.native_batch, args.num_blocks = 4, 4, 4, 64
+    if args.ab_engine:
+        from transformers import ContinuousBatchingConfig
+
+        try:
+            settings = parse_engine_settings(args.ab_engine)
+        except ValueError as exc:
+            p.error(str(exc))
+        fields = getattr(ContinuousBatchingConfig, "__dataclass_fields__", {})
+        unknown = sorted({k for setting in settings for k in setting if k not in fields})
+        if unknown:
+            p.error(f"--ab-engine: this Transformers' ContinuousBatchingConfig has no {', '.join(unknown)}")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     if args.max_requests_per_batch is not None:
@@ -473,6 +530,8 @@ def main(argv=None):
                                                                       "graph_captures", "failed", "wrong_lengths")}}
             result["switch_interval_ab"].append(row)
             print(json.dumps(row), flush=True)
+    if args.ab_engine:
+        result["engine_ab"] = engine_ab(fused, prompts, outputs, args, graphs, warmup, device)
     result["fused_cb"] = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs,
                                 args.max_batch_tokens, warmup, repeats=args.repeats)
     result["fused_cb"]["max_batch_tokens"] = args.max_batch_tokens or "engine default (8192)"
