@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
 from .cache_moves import CountsMoves
-from .cache_reorder import own_pages_from, reorder_in_place
+from .cache_reorder import HostTables, own_pages_from, reorder_in_place
 from .kernels.dispatch import on_device, use_triton
 from .kernels.latent_fp8 import FP8_DTYPE, dequantise_rows, is_fp8, packed_width, raw
 from .kernels.paged_cpu import append_rows
@@ -138,7 +138,7 @@ class PagedView:
         return self.layer.gather()
 
 
-class PagedLatentLayer(CountsMoves, CacheLayerMixin):
+class PagedLatentLayer(HostTables, CountsMoves, CacheLayerMixin):
     """One fused MLA layer's paged latent: per sequence a block table (page ids) and a length."""
 
     _WATCHED = frozenset({"pool", "tables", "block_table", "seq_lens", "starts", "_nan_rows"})
@@ -151,7 +151,7 @@ class PagedLatentLayer(CountsMoves, CacheLayerMixin):
         self.cache = cache
         self.layer_idx = layer_idx
         self.pool: PagePool | None = None
-        self.host_tables: list[list[int]] = []
+        self.host_tables: list[list[int]] = []  # (a property: see HostTables)
         self.host_lens: list[int] = []
         self._nan_rows = None  # the stand-ins' rows (see _stand_ins)
         self.starts: torch.Tensor | None = None  # int32 [B]: left padding (PagedLatentCache.set_left_padding)
@@ -329,7 +329,9 @@ class PagedLatentLayer(CountsMoves, CacheLayerMixin):
 
     def _holds(self, new: int) -> bool:
         """Whether every sequence (all of one length) already holds the pages for ``new`` more tokens."""
-        lens, tables = self.host_lens, self.host_tables
+        # (rows of tables that in-place reorders left pending are as long as each sequence's own pages: not worked
+        # out here, where a replayed step's capture may be running)
+        lens, tables = self.host_lens, self.home if self.pending_tables is not None else self.host_tables
         first = lens[0]
         if len(tables) != len(lens) or lens.count(first) != len(lens):  # (C loops: asked at every step of a layer)
             return False
@@ -468,12 +470,11 @@ class PagedLatentLayer(CountsMoves, CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor, source: list[int] | None = None) -> None:
         """Sequence i continues old sequence ``beam_idx[i]`` (``source``: the same as host ints, when the caller has
         them).  A static cache whose sequences all hold the same number of tokens (beam search) does it in place
-        (``cache_reorder``); anything else copies the sequences."""
+        without waiting for the device (``cache_reorder``); anything else copies the sequences."""
         if self.get_seq_length() == 0:
             return
-        source = beam_idx.tolist() if source is None else source
-        if not reorder_in_place([self], beam_idx, source):
-            self._copy_sequences(source)
+        if not reorder_in_place([self], beam_idx):
+            self._copy_sequences(beam_idx.tolist() if source is None else source)
 
     def move_positions(self, order: torch.Tensor) -> None:
         """Position ``p < T`` of sequence ``b`` takes what position ``order[b, p]`` held (``order``: long ``[B, T]``,
@@ -607,8 +608,8 @@ class PagedLatentCache(DynamicCache):
         return True
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam reorder of every layer; the indices are read on the host once, and a static cache's paged layers
-        are reordered in place all at once (``cache_reorder``)."""
+        """Beam reorder of every layer: a static cache's paged layers in place all at once, without waiting for the
+        device (``cache_reorder``); otherwise the indices are read on the host once and each layer copies."""
         paged = []
         for layer in self.layers:
             if isinstance(layer, PagedLatentLayer):
@@ -618,8 +619,8 @@ class PagedLatentCache(DynamicCache):
                 layer.reorder_cache(beam_idx)
         if not paged:
             return
-        source = beam_idx.tolist()
-        if not reorder_in_place(paged, beam_idx, source):
+        if not reorder_in_place(paged, beam_idx):
+            source = beam_idx.tolist()
             for layer in paged:
                 layer.reorder_cache(beam_idx, source)
 

@@ -5,7 +5,10 @@ and ~100 µs of host time per layer (3.8 ms per step on an H200, while the GPU w
 step's sync).  The layers of one cache hold the same block tables (a static cache reserves the same pages in every
 layer's pool, and every change goes to all layers), so the host work is done once, the new block-table rows are
 computed once per device and copied to every layer with one multi-tensor copy; only the partly written page is
-copied layer by layer (two launches each).
+copied layer by layer (two launches each).  Nothing waits for the device: the device side works from the indices
+where they are, and the host copy of the block tables follows once the indices reach the host
+(:class:`PendingTables`), so the reorder's launches queue behind the step instead of starting after it (the step's
+sync, which came first in the reorder, came later anyway: beam search checks its stopping criteria).
 
 Why in place: a captured decode step reads the block tables and pages at fixed addresses.  With ``n`` tokens per
 sequence and ``full = n // page_size`` pages written whole, new sequence ``i`` takes old ``source[i]``'s first
@@ -24,30 +27,121 @@ import torch
 from .kernels.latent_fp8 import raw
 
 
-def reorder_in_place(layers: list, beam_idx: torch.Tensor, source: list[int]) -> bool:
+class PendingTables:
+    """Host block tables that in-place reorders changed while their indices were still on the way to the host.
+
+    Why: a reorder needs the new order on the host only for its host copy of the block tables; the device side
+    (block-table rows, the partly written page) works from the indices on the device.  Reading them at once
+    (``tolist``) waited for the step that chose them, so the reorder's host work and launches ran while the GPU sat
+    idle.  Instead each reorder starts a copy of its indices to pinned host memory behind the step and records it
+    here; the tables are worked out when someone reads them (``PagedLatentLayer.host_tables``) or when a later reorder
+    finds the copies done.  ``base``: the tables before ``steps`` (never changed in place: layers that read them
+    take copies); ``steps``: ``(indices, event, full, home)`` per reorder, in order: host ints (or a pinned tensor
+    and the CUDA event after its copy), the whole pages every sequence had then, and the sequences' own pages."""
+
+    __slots__ = ("base", "steps")
+
+    def __init__(self, base: list[list[int]], steps: tuple = ()):
+        self.base, self.steps = base, steps
+
+    def then(self, step: tuple) -> "PendingTables":
+        """These tables with one more reorder; the steps whose copies are done are worked in first (no waiting), so
+        that the chain stays short over a long beam search."""
+        base, steps = self.base, self.steps
+        while steps and _copied(steps[0]):
+            base, steps = _apply(base, steps[0], wait=False), steps[1:]
+        return PendingTables(base, steps + (step,))
+
+    def tables(self) -> list[list[int]]:
+        """The tables after every step (waits for copies still in flight; never inside a CUDA graph capture)."""
+        if (any(step[1] is not None for step in self.steps) and torch.cuda.is_available()
+                and torch.cuda.is_current_stream_capturing()):
+            raise RuntimeError("paged latent cache: host block tables read inside a CUDA graph capture while a beam "
+                               "reorder's indices are still on their way to the host")
+        base = self.base
+        for step in self.steps:
+            base = _apply(base, step)
+        self.base, self.steps = base, ()
+        return base
+
+
+class HostTables:
+    """A paged layer's ``host_tables``, which in-place reorders may leave pending (:class:`PendingTables`)."""
+
+    pending_tables: "PendingTables | None" = None
+
+    @property
+    def host_tables(self) -> list[list[int]]:
+        """Per sequence, the page ids of its block-table row (the host's copy); after in-place beam reorders
+        (``pending_tables``) worked out on first read, which may wait for their indices."""
+        if self.pending_tables is not None:
+            self._host_tables = [list(t) for t in self.pending_tables.tables()]
+            self.pending_tables = None
+        return self._host_tables
+
+    @host_tables.setter
+    def host_tables(self, tables: list[list[int]]) -> None:
+        self.pending_tables = None
+        self._host_tables = tables
+
+
+def _copied(step: tuple) -> bool:
+    return step[1] is None or step[1].query()
+
+
+def _apply(tables: list[list[int]], step: tuple, wait: bool = True) -> list[list[int]]:
+    indices, event, full, home = step
+    if wait and event is not None:
+        event.synchronize()
+    source = indices if isinstance(indices, list) else indices.tolist()
+    return [tables[s][:full] + home[i][full:] for i, s in enumerate(source)]
+
+
+def _indices_on_the_way(beam_idx: torch.Tensor):
+    """``(indices, event)``: a CUDA tensor's values copied behind the work queued so far into pinned host memory
+    (``event`` marks the copy's end); any other device's as host ints at once."""
+    if beam_idx.device.type != "cuda":
+        return beam_idx.tolist(), None
+    host = torch.empty(beam_idx.shape, dtype=torch.long, pin_memory=True)
+    host.copy_(beam_idx, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(beam_idx.device))
+    return host, event
+
+
+def reorder_in_place(layers: list, beam_idx: torch.Tensor) -> bool:
     """Sequence ``i`` of every layer in ``layers`` (``PagedLatentLayer`` of one static cache) continues old sequence
-    ``source[i]`` (``beam_idx`` on the device, ``source`` the same as host ints).  False, with nothing done, when
-    that cannot be done in place: not static, another batch size, unequal lengths, layers whose tables differ."""
+    ``beam_idx[i]``, without waiting for the device (the host tables follow through :class:`PendingTables`).  False,
+    with nothing done, when that cannot be done in place: not static, another batch size, unequal lengths, layers
+    whose tables differ."""
     first = layers[0]
-    lens, home, tables = first.host_lens, first.home, first.host_tables
-    if home is None or len(source) != len(lens) or any(n != lens[0] for n in lens):
+    lens, home, pending = first.host_lens, first.home, first.pending_tables
+    if home is None or beam_idx.shape != (len(lens),) or any(n != lens[0] for n in lens):
         return False
     page = first.pool.page_size
     full, partial = divmod(lens[0], page)
-    if any(t[full:] != h[full:] for t, h in zip(tables, home)):
-        return False  # (cannot happen while every change goes through the cache; checked, as it is cheap)
-    for layer in layers[1:]:
-        if (layer.host_lens != lens or layer.home != home or layer.host_tables != tables
-                or layer.pool.page_size != page):
+    if pending is not None and all(layer.pending_tables is pending for layer in layers):
+        # the layers' tables are one object's, made by in-place reorders: equal, and from the last one's `full`
+        # (at most this one) on each sequence's own pages
+        if any(layer.host_lens != lens or layer.home != home or layer.pool.page_size != page for layer in layers):
             return False
+    else:
+        tables = first.host_tables
+        if any(t[full:] != h[full:] for t, h in zip(tables, home)):
+            return False  # (cannot happen while every change goes through the cache; checked, as it is cheap)
+        for layer in layers[1:]:
+            if (layer.host_lens != lens or layer.home != home or layer.host_tables != tables
+                    or layer.pool.page_size != page):
+                return False
+        pending = PendingTables([list(t) for t in tables])
     groups: dict[torch.device, list] = {}
     for layer in layers:
         groups.setdefault(layer.block_table.device, []).append(layer)
     for device, group in groups.items():
         _reorder_group(group, beam_idx.to(device=device, dtype=torch.long), full, partial)
-    new_tables = [tables[s][:full] + home[i][full:] for i, s in enumerate(source)]
+    pending = pending.then((*_indices_on_the_way(beam_idx), full, home))
     for layer in layers:
-        layer.host_tables = [list(t) for t in new_tables]
+        layer.pending_tables = pending
     return True
 
 

@@ -456,3 +456,68 @@ def test_layers_whose_tables_differ_are_reordered_one_by_one():
     cache.reorder_cache(torch.tensor([0, 0]))
     for layer, rows in zip((first, second), before):
         assert torch.equal(layer.gather(), rows[torch.tensor([0, 0])])
+
+
+class _Copy:
+    """A stand-in for a reorder's index copy on its way to the host: ``done`` says whether it has arrived."""
+
+    def __init__(self, done):
+        self.done, self.waits = done, 0
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waits += 1
+        self.done = True
+
+
+def test_pending_tables_work_in_arrived_copies_and_wait_only_when_read():
+    """A reorder's host tables: ``then`` works in the steps whose index copies have arrived (never waiting), so the
+    chain stays short; ``tables`` waits for the rest; the result is each step's ``old[source][:full] + own[full:]``."""
+    from mla_fuser.cache_reorder import PendingTables
+
+    home = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    first, second, third = _Copy(False), _Copy(False), _Copy(False)
+    pending = PendingTables([list(t) for t in home]).then((torch.tensor([2, 2, 0]), first, 1, home))
+    pending = pending.then(([1, 0, 0], second, 2, home))  # the first copy has not arrived: both steps wait
+    assert len(pending.steps) == 2 and first.waits == 0
+    first.done = True
+    pending = pending.then(([0, 0, 1], third, 2, home))  # the first one has: worked in, without waiting
+    assert len(pending.steps) == 2 and first.waits == second.waits == 0
+    after_first = [[6, 1, 2], [6, 4, 5], [0, 7, 8]]
+    after_second = [after_first[1][:2] + [2], after_first[0][:2] + [5], after_first[0][:2] + [8]]
+    after_third = [after_second[0][:2] + [2], after_second[0][:2] + [5], after_second[1][:2] + [8]]
+    assert pending.tables() == after_third
+    assert second.waits == third.waits == 1 and pending.steps == ()
+
+
+def test_host_tables_after_in_place_reorders_are_worked_out_when_read(pair):
+    """Reorders of a static cache leave the host tables pending (one object for all layers), worked out on first
+    read: equal to the block tables on the device, and to what reading them after every reorder gives; a reorder of
+    layers whose tables were made by one reorder chain stays in place (no sequence copy)."""
+    _, fused = pair
+    ids, _ = left_padded_prompts([6, 6, 6], seed=21)
+    orders = [torch.tensor(o) for o in ([2, 2, 0], [1, 0, 0], [0, 2, 1], [1, 1, 2])]
+    step = torch.tensor([[5], [6], [7]])
+
+    def run(read_every_step):
+        cache = PagedLatentCache(fused, page_size=4, static=True, max_seq_len=16, max_cache_tokens=4 * 16)
+        fused(input_ids=ids, **{KW: cache}, use_cache=True)
+        for beam_idx in orders:  # 6, 7, 8 (a page boundary), 9 tokens
+            cache.reorder_cache(beam_idx)
+            paged = cache.paged
+            assert paged[0].pending_tables is not None
+            assert all(layer.pending_tables is paged[0].pending_tables for layer in paged)
+            if read_every_step:
+                assert paged[0].host_tables and paged[0].pending_tables is None
+            fused(input_ids=step, **{KW: cache}, use_cache=True)
+        return cache
+
+    with torch.no_grad():
+        lazy, eager = run(False), run(True)
+    for a, b in zip(lazy.paged, eager.paged):
+        width = len(a.home[0])
+        assert a.host_tables == b.host_tables == a.block_table[:, :width].tolist()
+        assert a.host_tables[0] != a.home[0]  # (the reorders did share pages)
+        assert torch.equal(a.gather(), b.gather())

@@ -197,3 +197,27 @@ def test_the_next_call_of_the_same_shape_replays_the_kept_step(models, padded):
     first = [(a != b).nonzero()[0].item() if (a != b).any() else a.numel() for a, b in zip(new_fresh, new_reused)]
     gaps = divergence_gaps(native, reused, kw["attention_mask"], ids.shape[1], first, new_fresh)
     assert max(gaps, default=0.0) < TOLERANCE, f"the kept step and a fresh capture split on a clear preference: {gaps}"
+
+
+@torch.no_grad()
+def test_an_in_place_reorder_does_not_wait_for_the_device(models):
+    """A static cache's beam reorder queues its work behind the step without a host sync (the indices reach the host
+    tables later, through pinned memory): run under ``torch.cuda.set_sync_debug_mode("error")``; the host tables
+    read afterwards equal the block tables on the device."""
+    _, fused = models
+    ids = torch.randint(3, fused.config.vocab_size, (4, 70), generator=torch.Generator().manual_seed(5)).cuda()
+    cache = PagedLatentCache.static_for(fused, 4, 160)
+    fused(input_ids=ids, **{cache_keyword(fused): cache}, use_cache=True)
+    orders = [torch.tensor(o, device="cuda") for o in ([1, 1, 3, 0], [2, 0, 2, 2], [3, 2, 1, 0])]
+    cache.reorder_cache(orders[0])  # (the first reorder uploads each sequence's own-page columns once)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the device stays busy while the host reorders
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for beam_idx in orders[1:]:
+            cache.reorder_cache(beam_idx)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    layer = cache.paged[0]
+    assert layer.pending_tables is not None
+    assert layer.host_tables == layer.block_table[:, : len(layer.home[0])].tolist()
