@@ -6,7 +6,8 @@ Three ways to route ``rows`` hidden states over a gate ``[experts, hidden]``, ti
   correction bias and top-2-sum groups for the V3 shape);
 * ``torch_logits``: the fp32 copies and ``F.linear`` (cuBLAS), then ``moe_router.select_experts`` (one launch):
   the fused router with ``MLA_FUSER_ROUTER_LOGITS_KERNEL=0``;
-* ``logits_kernel``: ``moe_router.router_logits_triton`` then ``select_experts``: two launches.
+* ``logits_kernel``: ``moe_router.router_logits_triton`` then ``select_experts``: two launches;
+* ``row_block_kernel`` (``--block-m``): the same with the row-block logits kernel at each rows-per-program given.
 
 Each graph routes over many copies of the gate in turn (together more than twice the L2), as a decode step meets
 each layer's gate cold.  Reported per call, in microseconds; the kernel's routing is checked against the twin's
@@ -87,6 +88,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep-block-e", action="store_true", help="also the kernel at 1, 2, 4 and 8 experts per "
                     "program, where the gate fits the kernel")
+    ap.add_argument("--block-m", default="", help="comma list of M or MxE: also the row-block logits kernel at M rows "
+                    "(and E experts) per program, powers of two >= 16, each with the selection, its logits checked")
     ap.add_argument("--dry-run", action="store_true", help="without a GPU: every path once on CPU (with "
                     "TRITON_INTERPRET=1 and MLA_FUSER_BACKEND=triton for the kernels), two gate copies, no times")
     args = ap.parse_args(argv)
@@ -121,6 +124,14 @@ def main(argv=None):
             want = mr.router_logits_ref(x, gates[0], None)
             got = mr.router_logits_triton(x, gates[0], None)
             total = F.linear(x.float().abs(), gates[0].float().abs())
+            for tile in filter(None, args.block_m.split(",")):
+                block_m, _, block_e = tile.partition("x")
+                kw_tile = dict(block_m=int(block_m), block_e=int(block_e) if block_e else None)
+                row.setdefault("row_block_kernel_us", {})[tile] = graph_us(lambda i, k=kw_tile: mr.select_experts(
+                    mr.router_logits_triton(x, gates[i], None, **k), correction, p), copies)
+                blocked = mr.router_logits_triton(x, gates[0], None, **kw_tile)
+                row.setdefault("row_block_within_rtol", {})[tile] = bool(
+                    ((blocked - want).abs() <= rb.LOGITS_RTOL * total).all())
             row["logits_within_rtol"] = bool(((got - want).abs() <= rb.LOGITS_RTOL * total).all())
             twin = mr.select_experts_ref(want, correction, p)
             ours = mr.select_experts(got, correction, p)

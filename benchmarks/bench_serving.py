@@ -201,6 +201,42 @@ def engine_ab(model, prompts, outputs, args, graphs, warmup, device):
     return rows
 
 
+def parse_constant(text: str):
+    """``--ab-constant``'s ``MODULE:NAME=INTEGER`` -> (module, name, value); the module must be ours and hold NAME."""
+    import importlib
+
+    target, sep, value = text.partition("=")
+    module_name, colon, name = target.partition(":")
+    if not (sep and colon and module_name.startswith("mla_fuser") and value.strip().lstrip("-").isdigit()):
+        raise ValueError(f"--ab-constant: {text!r} is not MODULE:NAME=INTEGER with a module of mla_fuser")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, name):
+        raise ValueError(f"--ab-constant: {module_name} has no {name}")
+    return module, name, int(value)
+
+
+def constant_ab(model, prompts, outputs, args, graphs, warmup):
+    """The workload served with ``--ab-constant``'s constant as it is (A) and set (B), A then B for each of
+    ``--ab-rounds`` rounds, one engine per run; the constant is put back after each B."""
+    module, name, value = parse_constant(args.ab_constant)
+    original, rows = getattr(module, name), []
+    for round_ in range(args.ab_rounds):
+        for arm in ("A", "B"):
+            if arm == "B":
+                setattr(module, name, value)
+            try:
+                run = run_cb(model, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs,
+                             args.max_batch_tokens, warmup)
+            finally:
+                setattr(module, name, original)
+            row = {"round": round_, "arm": arm, name: original if arm == "A" else value,
+                   **{k: run[k] for k in ("output_tok_per_s", "ttft_s", "tpot_ms", "failed", "wrong_lengths",
+                                          "wall_s")}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return {"constant": args.ab_constant, "runs": rows}
+
+
 def _run_summary(ids, results, wall):
     """One timed run's figures: requests, failures, lengths, output tokens/s, TTFT and TPOT (p50/p99, every TPOT)."""
     failed = [r for r in results.values() if r.error]
@@ -457,6 +493,10 @@ def main(argv=None):
                    help="';'-separated engine settings, each a comma list of ContinuousBatchingConfig fields "
                         "(e.g. 'max_requests_per_batch=256;max_requests_per_batch=512,max_batch_tokens=4096'): before "
                         "everything else, serve the whole workload once per setting in this one process (an A/B)")
+    p.add_argument("--ab-constant", default=None, metavar="MODULE:NAME=INTEGER",
+                   help="before everything else, serve the workload with a module constant of ours as it is (A) and "
+                        "set to INTEGER (B), alternating for --ab-rounds rounds, in this one process (an A/B)")
+    p.add_argument("--ab-rounds", type=int, default=2)
     p.add_argument("--http-client", nargs=2, metavar=("PORT", "REQUESTS_JSON"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.http_client:  # (the client process of --http)
@@ -465,6 +505,11 @@ def main(argv=None):
         args.preset, args.device, args.dtype = "deepseek-v2-lite-tiny", "cpu", "fp32"
         args.requests, args.prompt_range, args.output_range = 12, [4, 40], [2, 12]
         args.static_batch, args.native_requests, args.native_batch, args.num_blocks = 4, 4, 4, 64
+    if args.ab_constant:
+        try:
+            parse_constant(args.ab_constant)
+        except (ValueError, ImportError) as exc:
+            p.error(str(exc))
     if args.ab_engine:
         from transformers import ContinuousBatchingConfig
 
@@ -530,6 +575,8 @@ def main(argv=None):
                                                                       "graph_captures", "failed", "wrong_lengths")}}
             result["switch_interval_ab"].append(row)
             print(json.dumps(row), flush=True)
+    if args.ab_constant:
+        result["constant_ab"] = constant_ab(fused, prompts, outputs, args, graphs, warmup)
     if args.ab_engine:
         result["engine_ab"] = engine_ab(fused, prompts, outputs, args, graphs, warmup, device)
     result["fused_cb"] = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs,

@@ -71,7 +71,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "split of each output tile (the same result; one launch more per split GEMM)"),
     Variable("MLA_FUSER_ROUTER_LOGITS_KERNEL", "switch", True,
              "`0` computes a fused MoE router's logits with torch (fp32 copies of the hidden states and the gate, "
-             "cuBLAS) at decode sizes too, instead of in one launch of the logits kernel"),
+             "cuBLAS) at every size, instead of in one launch of a logits kernel (decode steps' few rows, "
+             "continuous-batching and prefill steps' hundreds of 16-bit rows)"),
     Variable("TRITON_INTERPRET", "switch", False,
              "Triton's own flag: run Triton kernels in its interpreter (how the tests run them on CPU)"),
 )}

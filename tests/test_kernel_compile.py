@@ -178,6 +178,19 @@ def test_fp8_expert_w8a8_gemm_on_prequantised_activations_converts_nothing(gated
     assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 0 and _count(ptx, "cvt.bf16.f16") == 0
 
 
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_router_row_block_logits_kernel_compiles_to_tf32_tensor_cores(block_m):
+    """The row-block router logits: bf16 tiles widened to fp32 and multiplied on TF32 tensor cores (exact for
+    16-bit values), never FMA loops of a full-precision dot."""
+    from mla_fuser.kernels.moe_router import _logits_rows_kernel, _row_block_tiles
+
+    block_e, block_h, warps = _row_block_tiles(64, 2048, block_m, None)
+    pointers = {"X": "*bf16", "W": "*bf16", "BIAS": "*fp32", "OUT": "*fp32"}
+    consts = dict(BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_H=block_h, HAS_BIAS=True)
+    ptx = _ptx(_logits_rows_kernel, pointers, consts, num_warps=warps)
+    assert _count(ptx, ".tf32") > 0 and (_count(ptx, "mma.sync") > 0 or "wgmma" in ptx)
+
+
 @pytest.mark.parametrize("bias,block_e", [(False, 1), (True, 8)])
 def test_router_logits_kernel_compiles(bias, block_e):
     """The router logits: bf16 hidden states and gate widened in registers (no tensor cores, no fp32 copies), one

@@ -143,6 +143,66 @@ def test_logits_kernel_takes_few_rows_and_small_gates_only(interp):
     assert not moe_router.logits_fit(x, weight, torch.randn(7))
 
 
+@pytest.mark.parametrize("rows,experts,hidden,dtype,bias,block_m", [
+    (40, 64, 256, torch.bfloat16, False, 16),  # V2-Lite's expert count; rows not a multiple of the block
+    (33, 20, 100, torch.float16, True, 32),  # experts not a multiple of 16, hidden not a power of two
+])
+def test_row_block_logits_kernel_matches_its_twin(interp, rows, experts, hidden, dtype, bias, block_m):
+    """The row-block kernel (blocks of 16-bit rows on tensor cores: exact products, fp32 sums) within the summation
+    order bound of ``F.linear`` on fp32 copies; a row's logits do not depend on the rows beside it."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    weight = torch.randn(experts, hidden, generator=g).to(dtype)
+    b = torch.randn(experts, generator=g) if bias else None
+    got = moe_router.router_logits_triton(x, weight, b, block_m=block_m)
+    want = moe_router.router_logits_ref(x, weight, b)
+    total = torch.nn.functional.linear(x.float().abs(), weight.float().abs())
+    assert got.shape == (rows, experts) and ((got - want).abs() <= rb.LOGITS_RTOL * total).all()
+    assert torch.equal(moe_router.router_logits_triton(x[-1:], weight, b, block_m=block_m), got[-1:])
+    with pytest.raises(ValueError, match="16-bit"):
+        moe_router.router_logits_triton(x.float(), weight, b, block_m=block_m)
+    with pytest.raises(ValueError, match="power of two"):
+        moe_router.router_logits_triton(x, weight, b, block_m=24)
+
+
+def test_logits_path_by_rows_gate_and_dtype(interp):
+    """One program per row up to ``LOGITS_MAX_WORK``; beyond, the row-block kernel from ``ROW_BLOCK_MIN_ROWS``
+    16-bit rows; torch between the two, for fp32 values there, and for gates past ``LOGITS_MAX_WEIGHT``."""
+    weight = torch.randn(64, 2048).to(torch.bfloat16)
+    rows_max = moe_router.LOGITS_MAX_WORK // weight.numel()
+    assert rows_max < moe_router.ROW_BLOCK_MIN_ROWS  # (V2-Lite's gate: a gap where torch runs)
+
+    def path(rows, dtype=torch.bfloat16, w=weight):
+        return moe_router.logits_path(torch.empty(rows, w.shape[1], dtype=dtype), w, None)
+
+    assert path(rows_max) == moe_router.ROWS and path(rows_max + 1) == ""
+    assert path(moe_router.ROW_BLOCK_MIN_ROWS) == path(8192) == moe_router.ROW_BLOCKS
+    assert path(8192, torch.float32) == "" and path(8192, w=weight.float()) == ""
+    big = torch.empty(moe_router.LOGITS_MAX_WEIGHT // 2048 + 1, 2048, dtype=torch.bfloat16)
+    assert path(1, w=big) == path(8192, w=big) == ""
+    assert [moe_router.row_block_rows(n) for n in (256, 1023, 1024, 4096)] == [16, 16, 32, 64]
+
+
+def test_many_16_bit_rows_take_the_row_block_kernel(interp, monkeypatch):
+    """A bf16 router's call of many rows runs the row-block kernel, as a kind of call of its own, checked against
+    the original on its first call: the same experts, logits within the summation-order bound."""
+    monkeypatch.setattr(moe_router, "LOGITS_MAX_WORK", 0)  # (no call is the per-row kernel's)
+    monkeypatch.setattr(moe_router, "ROW_BLOCK_MIN_ROWS", 16)
+    fused = tiny_deepseek(attn="vllm_mla", layers=2).to(torch.bfloat16)
+    mla_fuser.fuse(fused)
+    gate = _gate(fused)
+    x = torch.randn(20, fused.config.hidden_size, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(2):
+            logits, weights, ids = gate(x)
+            want = plan_of(gate, "router").original(x)
+            assert rb._same_sets((weights, ids), want[1:], torch.zeros(20, dtype=torch.bool))
+            total = moe_router.router_logits_ref(x.abs(), _gate(fused).weight.abs(), None)
+            assert ((logits - want[0]).abs() <= rb.LOGITS_RTOL * total).all()
+    verdicts = plan_of(gate, "router").verdicts
+    assert [kind[-1] for kind in verdicts] == [moe_router.ROW_BLOCKS] and all(verdicts.values())
+
+
 def test_logits_kernel_off_the_interpreter_on_cpu_is_torch():
     x, weight = torch.randn(2, 64), torch.randn(8, 64)
     assert not moe_router.logits_fit(x, weight, None)
@@ -177,7 +237,7 @@ def test_decode_rows_take_the_logits_kernel_prefill_rows_torch(interp, monkeypat
             if x is many or switch == "0":
                 assert torch.equal(logits, want[0])
     verdicts = plan_of(gate, "router").verdicts
-    assert sorted(kind[-1] for kind in verdicts) == ([False, True] if switch == "1" else [False])
+    assert sorted(kind[-1] for kind in verdicts) == (["", moe_router.ROWS] if switch == "1" else [""])
     assert all(verdicts.values())
     assert calls == ([3, 3] if switch == "1" else [])  # the checking call, then a plain one
 
@@ -187,10 +247,10 @@ def test_check_refuses_kernel_logits_beyond_summation_order(interp):
     with torch.no_grad():
         logits, weights, ids = plan.original(x)
         tensors = plan.tensors(gate)
-        ours = plan.check(tensors, x, (logits, weights, ids), on_kernel=True)
+        ours = plan.check(tensors, x, (logits, weights, ids), on_kernel=moe_router.ROWS)
         assert ours is not None and rb._same_sets(ours[1:], (weights, ids), torch.zeros(4, dtype=torch.bool))
-        assert plan.check(tensors, x, (logits * (1 + 1e-3), weights, ids), on_kernel=True) is None
-        assert plan.check(tensors, x, (logits, weights * 1.01, ids), on_kernel=True) is None
+        assert plan.check(tensors, x, (logits * (1 + 1e-3), weights, ids), on_kernel=moe_router.ROWS) is None
+        assert plan.check(tensors, x, (logits, weights * 1.01, ids), on_kernel=moe_router.ROWS) is None
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a CUDA device")
@@ -225,6 +285,23 @@ def test_compiled_router_adopts_the_logits_kernel_in_bf16():
             x = torch.randn(rows, fused.config.hidden_size, generator=g).to("cuda", torch.bfloat16)
             _, weights, ids = gate(x)
             want = plan.original(x)
-            deviation = (plan.ours(plan.tensors(gate), x, True)[0] - want[0]).abs().amax(dim=-1)
+            deviation = (plan.ours(plan.tensors(gate), x, moe_router.ROWS)[0] - want[0]).abs().amax(dim=-1)
             assert rb._same_sets((weights, ids), want[1:], rb._near_ties(want[0], None, plan.params, deviation))
-    assert list(plan.verdicts.values()) == [True] and next(iter(plan.verdicts))[-1] is True
+    assert list(plan.verdicts.values()) == [True] and next(iter(plan.verdicts))[-1] == moe_router.ROWS
+
+
+@cuda
+@pytest.mark.parametrize("rows", [256, 1024, 4096])
+@pytest.mark.parametrize("experts,hidden", [(64, 2048), (160, 5120)])
+def test_compiled_row_block_logits_kernel_matches_its_twin(rows, experts, hidden):
+    """Compiled, on tensor cores: the row-block kernel's logits within the summation-order bound of fp32 F.linear at
+    each of its tiles; a row's logits the same alone as among others."""
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(rows, hidden, generator=g).to("cuda", torch.bfloat16)
+    weight = (torch.randn(experts, hidden, generator=g) * hidden ** -0.5).to("cuda", torch.bfloat16)
+    assert moe_router.logits_path(x, weight, None) == moe_router.ROW_BLOCKS
+    got, want = moe_router.router_logits(x, weight, None), moe_router.router_logits_ref(x, weight, None)
+    total = torch.nn.functional.linear(x.float().abs(), weight.float().abs())
+    assert ((got - want).abs() <= rb.LOGITS_RTOL * total).all()
+    block_m = moe_router.row_block_rows(rows)
+    assert torch.equal(moe_router.router_logits_triton(x[-1:], weight, None, block_m=block_m), got[-1:])

@@ -6,8 +6,9 @@ gate), ``F.linear`` (cuBLAS's fp32 GEMM plus its split-K reduction at decode siz
 group mask, ``topk``, ``gather``, renormalisation, scaling: 6-13 launches per MoE layer.  A decode step is bound by
 launches there, not bytes.  :func:`router_logits` computes a few rows' fp32 logits in one launch straight from the
 16-bit hidden states and gate (one program per row and block of experts, so even one row spreads the gate over
-many SMs); :func:`select_experts` does everything after the logits in one program per row, in registers
-(``E <= MAX_EXPERTS``).
+many SMs), and hundreds of 16-bit rows (a continuous-batching or prefill step) in blocks of rows per program on
+tensor cores, where cuBLAS's fp32 GEMM runs few, long programs; :func:`select_experts` does everything after the
+logits in one program per row, in registers (``E <= MAX_EXPERTS``).
 
 The math (all fp32, what DeepSeek-V2/V3 do; :func:`select_experts_ref` is the same in torch ops)::
 
@@ -39,9 +40,9 @@ import torch.nn.functional as F
 
 from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, next_pow2, tl, use_triton
 
-__all__ = ["LOGITS_MAX_WEIGHT", "LOGITS_MAX_WORK", "MAX_EXPERTS", "MAX_TOP_K", "RouteParams", "logits_fit",
-           "router_logits", "router_logits_ref", "router_logits_triton", "scores_and_choice", "select_experts",
-           "select_experts_ref", "select_experts_triton"]
+__all__ = ["LOGITS_MAX_WEIGHT", "LOGITS_MAX_WORK", "MAX_EXPERTS", "MAX_TOP_K", "ROWS", "ROW_BLOCKS", "RouteParams",
+           "logits_fit", "logits_path", "router_logits", "router_logits_ref", "router_logits_triton",
+           "scores_and_choice", "select_experts", "select_experts_ref", "select_experts_triton"]
 
 MAX_EXPERTS = 256  # the scores of one row stay in registers
 MAX_TOP_K = 16
@@ -54,6 +55,16 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # loaded and wide
 # 160 x 5120: 16 rows) and loses beyond; V3's fp32 256 x 7168 gate loses even at one row
 LOGITS_MAX_WEIGHT = 1 << 20  # gate elements
 LOGITS_MAX_WORK = 1 << 24  # rows x gate elements
+# Beyond that, from ROW_BLOCK_MIN_ROWS rows of 16-bit values, a second kernel takes blocks of rows per program on
+# tensor cores (every product exact: see _logits_rows_kernel).  cuBLAS's fp32 GEMM at those sizes runs few, long
+# programs (a continuous-batching step's 256-2048 rows: 18-40 us on V2-Lite's gate).  H200, logits + selection,
+# CUDA-graph replay from a cold L2 (router_row_blocks_tf32.json): V2-Lite 256 / 1024 / 2048 / 8192 rows 14.7 / 16.5 /
+# 17.4 / 31.9 us against torch's 18.2 / 29.7 / 40.5 / 120; GLM-4.5-Air's gate 28.6 / 31.9 / 36.0 / 88.5 against
+# 27.5 / 57.9 / 95.7 / 310 (at 128 rows torch's 23.7 beat its 28.3: hence the floor); V2's 33.1 / 38.6 / 45.9 /
+# 136.5 against 36.8 / 80.8 / 134.1 / 502.6.  Rows per program (experts per program alike), the first that applies:
+ROW_BLOCK_MIN_ROWS = 256
+LOGITS_ROW_BLOCKS = ((4096, 64), (1024, 32), (0, 16))
+ROW_BLOCK_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -253,15 +264,34 @@ def select_experts(logits: torch.Tensor, correction_bias: Optional[torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------------------- the logits
-def logits_fit(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    """Whether :func:`router_logits` takes ``x [T, H]`` over ``weight [E, H]`` on its kernel: a gate of at most
-    ``LOGITS_MAX_WEIGHT`` elements, at most ``LOGITS_MAX_WORK`` rows times gate elements, 16/32-bit floats on one
-    device."""
-    return (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
-            and weight.numel() <= LOGITS_MAX_WEIGHT and x.shape[0] * weight.numel() <= LOGITS_MAX_WORK
-            and x.dtype in INPUT_DTYPES and weight.dtype in INPUT_DTYPES
+ROWS, ROW_BLOCKS = "rows", "row_blocks"
+
+
+def logits_path(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> str:
+    """Which kernel :func:`router_logits` runs for ``x [T, H]`` over ``weight [E, H]``: ``ROWS`` (one program per row)
+    up to ``LOGITS_MAX_WORK`` rows times gate elements, ``ROW_BLOCKS`` from ``ROW_BLOCK_MIN_ROWS`` rows of 16-bit
+    values beyond that, "" (torch) otherwise; either kernel takes a gate of at most ``LOGITS_MAX_WEIGHT`` elements,
+    16/32-bit floats on one device."""
+    if not (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+            and weight.numel() <= LOGITS_MAX_WEIGHT and x.dtype in INPUT_DTYPES and weight.dtype in INPUT_DTYPES
             and (bias is None or (bias.dtype in INPUT_DTYPES and bias.shape == weight.shape[:1]))
-            and x.device == weight.device and use_triton(x, weight))
+            and x.device == weight.device and use_triton(x, weight)):
+        return ""
+    if x.shape[0] * weight.numel() <= LOGITS_MAX_WORK:
+        return ROWS
+    if x.shape[0] >= ROW_BLOCK_MIN_ROWS and x.dtype in ROW_BLOCK_DTYPES and weight.dtype in ROW_BLOCK_DTYPES:
+        return ROW_BLOCKS
+    return ""
+
+
+def logits_fit(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether :func:`router_logits` takes these rows and gate on a kernel (:func:`logits_path`)."""
+    return bool(logits_path(x, weight, bias))
+
+
+def row_block_rows(rows: int) -> int:
+    """Rows per program of the row-block kernel for a call of ``rows`` rows (``LOGITS_ROW_BLOCKS``)."""
+    return next(block_m for least, block_m in LOGITS_ROW_BLOCKS if rows >= least)
 
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -291,6 +321,29 @@ def _logits_kernel(X, W, BIAS, OUT, stride_x, stride_w, H, E,
     tl.store(OUT + row * E + e, logits, mask=valid)
 
 
+@LazyJit
+def _logits_rows_kernel(X, W, BIAS, OUT, stride_x, stride_w, T, H, E,
+                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # One program per (block of rows, block of experts): each gate tile read once per block of rows (not once per
+    # row), on tensor cores.  16-bit values only: widened to fp32 they lose nothing to TF32, so every product is
+    # exact and the sums are fp32, as F.linear's on fp32 copies (fp32 values would be rounded: they stay on torch)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    row_ok, e_ok = rows < T, e < E
+    acc = tl.full([BLOCK_M, BLOCK_E], 0.0, tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < H
+        xv = tl.load(X + rows[:, None].to(tl.int64) * stride_x + h[None, :], mask=row_ok[:, None] & hm[None, :],
+                     other=0.0).to(tl.float32)
+        wv = tl.load(W + e[:, None].to(tl.int64) * stride_w + h[None, :], mask=e_ok[:, None] & hm[None, :],
+                     other=0.0).to(tl.float32)
+        acc = tl.dot(xv, tl.trans(wv), acc, input_precision="tf32")
+    if HAS_BIAS:
+        acc += tl.load(BIAS + e, mask=e_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(OUT + rows[:, None].to(tl.int64) * E + e[None, :], acc, mask=row_ok[:, None] & e_ok[None, :])
+
+
 # experts per program: one up to LOGITS_FEW_ROWS rows (every expert's row of the gate in its own program: the most
 # loads in flight), eight above (fewer re-reads of each row's hidden states).  H200 sweep of 1, 2, 4 and 8
 # (router_logits_block_e.json, logits + selection): V2-Lite's gate 4.7 / 5.1 / 6.1 / 4.9 us at one row, 8.2 / 7.5 /
@@ -307,10 +360,22 @@ def _logits_tiles(num_experts: int, hidden: int, block_e: int) -> tuple[int, int
     return block_e, block_h, 8 if block_e * block_h >= 16384 else 4
 
 
+@functools.lru_cache(maxsize=64)
+def _row_block_tiles(num_experts: int, hidden: int, block_m: int, block_e: int | None) -> tuple[int, int, int]:
+    """``(BLOCK_E, BLOCK_H, num_warps)`` of the row-block kernel: as many experts per program as rows (16 at least: a
+    ``tl.dot`` side; fewer where the gate has fewer), 64 hidden features per step, 4 warps."""
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"router logits: block_m must be a power of two >= 16, got {block_m}")
+    block_e = max(16, min(block_e or block_m, next_pow2(num_experts)))
+    return block_e, min(64, max(16, next_pow2(hidden))), 4
+
+
 def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         block_e: int | None = None) -> torch.Tensor:
+                         block_e: int | None = None, block_m: int | None = None) -> torch.Tensor:
     """Triton path of :func:`router_logits` (no dispatch); hidden and gate rows are made unit-stride if needed.
-    ``block_e``: experts per program (a power of two; default: 1 up to ``LOGITS_FEW_ROWS`` rows, else 8)."""
+    ``block_e``: experts per program (a power of two; default: 1 up to ``LOGITS_FEW_ROWS`` rows, else 8);
+    ``block_m``: rows per program (a power of two >= 16: the row-block kernel; default from ``LOGITS_ROW_BLOCKS``;
+    0: one row per program)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if weight.stride(-1) != 1:
@@ -319,6 +384,19 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     num_experts = weight.shape[0]
     out = x.new_empty((rows, num_experts), dtype=torch.float32)
     if rows == 0:
+        return out
+    if block_m is None:
+        block_m = row_block_rows(rows) if logits_path(x, weight, bias) == ROW_BLOCKS else 0
+    if block_m:
+        if x.dtype not in ROW_BLOCK_DTYPES or weight.dtype not in ROW_BLOCK_DTYPES:
+            raise ValueError(f"router logits: the row-block kernel takes 16-bit values, got {x.dtype} rows and a "
+                             f"{weight.dtype} gate")
+        block_e, block_h, warps = _row_block_tiles(num_experts, hidden, block_m, block_e)
+        _logits_rows_kernel[(cdiv(rows, block_m), cdiv(num_experts, block_e))](
+            x, weight, bias if bias is not None else weight, out, x.stride(0), weight.stride(0), rows, hidden,
+            num_experts, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_H=block_h, HAS_BIAS=bias is not None,
+            num_warps=warps,
+        )
         return out
     if block_e is None:
         block_e = 1 if rows <= LOGITS_FEW_ROWS else 8
@@ -331,10 +409,10 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The router logits ``x @ weight.T (+ bias)`` in fp32 for ``x [T, H]``, ``weight [E, H]``: on the kernel where
-    :func:`logits_fit` says so (one launch, no fp32 copies of the hidden states or the gate), else
-    :func:`router_logits_ref`.  The kernel sums in another order than cuBLAS (a few fp32 ulps of the terms' total)
-    and, for one tile (``block_e``), its result for a row does not depend on the rows beside it."""
+    """The router logits ``x @ weight.T (+ bias)`` in fp32 for ``x [T, H]``, ``weight [E, H]``: on a kernel where
+    :func:`logits_path` names one (one launch, no fp32 copies of the hidden states or the gate), else
+    :func:`router_logits_ref`.  The kernels sum in another order than cuBLAS (a few fp32 ulps of the terms' total)
+    and, for one tile (``block_e``, ``block_m``), a row's result does not depend on the rows beside it."""
     if logits_fit(x, weight, bias):
         return router_logits_triton(x, weight, bias)
     return router_logits_ref(x, weight, bias)

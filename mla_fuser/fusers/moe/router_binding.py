@@ -3,10 +3,10 @@
 DeepSeek-V2's router child (``self.gate(hidden)``) returns ``(logits, weights, ids)`` through fp32 casts,
 ``F.linear``, softmax, ``topk`` and a scale: about eight launches per layer in a decode step.  The block's match
 (``RouterSpec``) says what the routing computes; when that computation lives in one child that owns the router
-weight, this binds to that child *instance* a forward of two launches: the logits from ``kernels.moe_router``'s
-logits kernel (a decode step's few rows, ``moe_router.logits_fit``, unless ``MLA_FUSER_ROUTER_LOGITS_KERNEL=0``)
-or from the traced ops (many rows: the same ops, bitwise the same logits, cuBLAS spreading the weight over the SMs),
-then ``kernels.moe_router.select_experts``.
+weight, this binds to that child *instance* a forward of two launches: the logits from one of
+``kernels.moe_router``'s logits kernels (a decode step's few rows, or a continuous-batching or prefill step's hundreds
+of 16-bit rows: ``moe_router.logits_path``, unless ``MLA_FUSER_ROUTER_LOGITS_KERNEL=0``) or from the traced ops (the
+same ops, bitwise the same logits), then ``kernels.moe_router.select_experts``.
 
 Nothing is assumed about what the child returns: its first call on a GPU (or under Triton's interpreter) runs the
 original forward, and the binding is kept for that kind of call (input dtype, device, which logits) only if the
@@ -32,7 +32,7 @@ from torch import nn
 from ... import envs
 from ...fx_ops import attr_of
 from ...kernels.dispatch import use_triton
-from ...kernels.moe_router import (INPUT_DTYPES, MAX_POST, RouteParams, logits_fit, router_logits_ref,
+from ...kernels.moe_router import (INPUT_DTYPES, MAX_POST, RouteParams, logits_path, router_logits_ref,
                                    router_logits_triton, scores_and_choice, select_experts, select_experts_ref)
 from ...plans import plan_of, set_plan
 from ..base import bind_instance_forward
@@ -106,13 +106,14 @@ class _RouterPlan:
             logits = logits.to(dtype)
         return logits
 
-    def logits_on_kernel(self, tensors, flat) -> bool:
-        """Whether this call's logits come from the logits kernel: the traced casts are all to fp32 (what the
-        kernel computes in) and ``moe_router.logits_fit`` takes the rows and the gate."""
+    def logits_on_kernel(self, tensors, flat) -> str:
+        """Which logits kernel this call's logits come from (``moe_router.logits_path``; "" for the traced ops): the
+        traced casts are all to fp32 (what the kernels compute in), and a kernel takes the rows and the gate.  Each
+        kernel is a kind of call of its own, checked against the original once."""
         weight, bias, _ = tensors
-        return envs.router_logits_kernel() and logits_fit(flat, weight, bias)
+        return logits_path(flat, weight, bias) if envs.router_logits_kernel() else ""
 
-    def ours(self, tensors, flat, on_kernel: bool):
+    def ours(self, tensors, flat, on_kernel: str):
         """This binding's ``(logits, weights, ids)`` for the rows ``flat [T, H]``."""
         logits = router_logits_triton(flat, tensors[0], tensors[1]) if on_kernel else self.logits(tensors, flat)
         return (logits, *select_experts(logits, tensors[2], self.params))
@@ -125,10 +126,10 @@ class _RouterPlan:
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
     @staticmethod
-    def kind(tensors, x, on_kernel: bool):
+    def kind(tensors, x, on_kernel: str):
         return x.dtype, tensors[0].dtype, x.device.type, on_kernel
 
-    def check(self, tensors, x, out, on_kernel: bool = False):
+    def check(self, tensors, x, out, on_kernel: str = ""):
         """This binding's result on ``x`` (logits from the kernel or not, ``on_kernel``) when ``out`` (the
         original's) agrees with it (module docstring), else None."""
         if not (isinstance(out, tuple) and len(out) == 3 and all(type(t) is torch.Tensor for t in out)):
