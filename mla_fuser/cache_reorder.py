@@ -37,12 +37,14 @@ class PendingTables:
     here; the tables are worked out when someone reads them (``PagedLatentLayer.host_tables``) or when a later reorder
     finds the copies done.  ``base``: the tables before ``steps`` (never changed in place: layers that read them
     take copies); ``steps``: ``(indices, event, full, home)`` per reorder, in order: host ints (or a pinned tensor
-    and the CUDA event after its copy), the whole pages every sequence had then, and the sequences' own pages."""
+    and the CUDA event after its copy), the whole pages every sequence had then, and the sequences' own pages;
+    ``full``: the last reorder's (from that column on, every row names its sequence's own pages)."""
 
-    __slots__ = ("base", "steps")
+    __slots__ = ("base", "steps", "full")
 
     def __init__(self, base: list[list[int]], steps: tuple = ()):
         self.base, self.steps = base, steps
+        self.full = steps[-1][2] if steps else 0
 
     def then(self, step: tuple) -> "PendingTables":
         """These tables with one more reorder; the steps whose copies are done are worked in first (no waiting), so
@@ -120,9 +122,9 @@ def reorder_in_place(layers: list, beam_idx: torch.Tensor) -> bool:
         return False
     page = first.pool.page_size
     full, partial = divmod(lens[0], page)
-    if pending is not None and all(layer.pending_tables is pending for layer in layers):
+    if pending is not None and pending.full <= full and all(layer.pending_tables is pending for layer in layers):
         # the layers' tables are one object's, made by in-place reorders: equal, and from the last one's `full`
-        # (at most this one) on each sequence's own pages
+        # (at most this one: lengths that went back are checked below on worked-out tables) on own pages
         if any(layer.host_lens != lens or layer.home != home or layer.pool.page_size != page for layer in layers):
             return False
     else:

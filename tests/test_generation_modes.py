@@ -521,3 +521,25 @@ def test_host_tables_after_in_place_reorders_are_worked_out_when_read(pair):
         assert a.host_tables == b.host_tables == a.block_table[:, :width].tolist()
         assert a.host_tables[0] != a.home[0]  # (the reorders did share pages)
         assert torch.equal(a.gather(), b.gather())
+
+
+def test_a_reorder_after_lengths_went_back_is_checked_on_worked_out_tables(pair):
+    """Pending tables vouch for their rows only from their last reorder's whole pages on: after the lengths went back
+    below that (a step's rewind), the next reorder checks worked-out tables, so no sequence is left writing into a
+    page it shares (here: the in-place path declines and the sequences are copied), and the rows read back right."""
+    _, fused = pair
+    ids, _ = left_padded_prompts([9, 9, 9], seed=22)
+    cache = PagedLatentCache(fused, page_size=4, static=True, max_seq_len=16, max_cache_tokens=4 * 16)
+    with torch.no_grad():
+        fused(input_ids=ids, **{KW: cache}, use_cache=True)
+    cache.reorder_cache(torch.tensor([2, 2, 0]))  # 9 tokens: pages 0-1 shared from here on
+    for layer in cache.paged:
+        layer.rewind([5, 5, 5])
+        layer.seq_lens.fill_(5)
+    before = [layer.gather().clone() for layer in cache.paged]
+    beam_idx = torch.tensor([1, 0, 0])
+    cache.reorder_cache(beam_idx)  # 5 tokens: from page 1 on, every row must name its own pages again
+    for layer, rows in zip(cache.paged, before):
+        assert torch.equal(layer.gather(), rows[beam_idx])
+        own = [h[1:] for h in layer.home]
+        assert layer.block_table[:, 1: len(layer.home[0])].tolist() == own
