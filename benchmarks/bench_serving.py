@@ -22,6 +22,11 @@ HTTP itself costs, beside ``http_over_in_process`` (against all at once).
     python benchmarks/bench_serving.py --http --out benchmarks/results/serving_http.json  # + through HTTP
     python benchmarks/bench_serving.py --warmup 300 --repeats 3 --out serving.json      # median of 3 timed runs
     python benchmarks/bench_serving.py --dry-run [--http]                             # CPU: tiny preset, 12 requests
+
+A/Bs in one process (runs in different processes or on different hosts do not compare: the H200 hosts' Python speed
+alone moves throughput by up to 1.5x): ``--ab-engine 'max_requests_per_batch=256;max_requests_per_batch=512'`` serves
+the workload once per engine setting; ``--ab-constant mla_fuser.kernels.moe_router:ROW_BLOCK_MIN_ROWS=1000000000``
+serves it with one of our module constants as it is and changed, alternating for ``--ab-rounds`` rounds.
 """
 
 from __future__ import annotations
