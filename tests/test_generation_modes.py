@@ -543,3 +543,17 @@ def test_a_reorder_after_lengths_went_back_is_checked_on_worked_out_tables(pair)
         assert torch.equal(layer.gather(), rows[beam_idx])
         own = [h[1:] for h in layer.home]
         assert layer.block_table[:, 1: len(layer.home[0])].tolist() == own
+
+
+@pytest.mark.parametrize("make", ["left", "right"])
+def test_a_padded_graphed_call_reads_its_mask_padding_once(pair, graphed, monkeypatch, make):
+    """The plan reads whether the prompt is left padded (a mask reduction and a read on the host) once per call:
+    for its kept-step key and for the cache's padding; tokens equal native's."""
+    native, fused = pair
+    ids, mask = left_padded_prompts([5, 8], seed=14) if make == "left" else _right_padded([5, 8], seed=14)
+    reads = []
+    original = runtime_generate._left_padding
+    monkeypatch.setattr(runtime_generate, "_left_padding", lambda m: reads.append(1) or original(m))
+    kw = dict(attention_mask=mask, max_new_tokens=9, do_sample=False)
+    assert torch.equal(fused.generate(ids, **kw), native.generate(ids, **kw))
+    assert last_generate_plan(fused).graphed and len(reads) == 1

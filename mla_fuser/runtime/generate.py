@@ -109,6 +109,13 @@ class GeneratePlan:
     graph: DecodeGraph | None = None  # a DecodeGraph kept by an earlier call over ``cache`` (runtime.kept_steps)
     keep_key: tuple | None = None  # the shape under which the call keeps its cache and graph (None: not kept)
     fingerprint: tuple | None = None  # kept_steps.model_fingerprint at the call's start (read once per call)
+    left: tuple | None = None  # (left_padding()'s value,) once read: the mask is reduced and read on the host once
+
+    def left_padding(self) -> torch.Tensor | None:
+        """Per row, the prompt's leading padding when ``padding`` is left padding, else None (read once per call)."""
+        if self.left is None:
+            self.left = (None if self.padding is None else _left_padding(self.padding),)
+        return self.left[0]
 
     def arguments(self, kwargs: dict, keyword: str) -> dict:
         """``kwargs`` with our cache under the model's keyword (any other cache keyword dropped) and our overrides."""
@@ -228,8 +235,8 @@ def _graphed_over_own_cache(model, shape: "CallShape", fallback=None, **extra) -
     """A graphed plan over a static paged cache of our own (the caller holds none): the one the model's last call
     kept with its captured step, where the shape and the model still match (``kept_steps``), else a new one, kept in
     turn when the call returns."""
-    left = shape.padding is not None and _left_padding(shape.padding) is not None
-    key = kept_steps.step_key(model, shape.batch, shape.max_seq_len, shape.padding, left)
+    extra["left"] = (None if shape.padding is None else _left_padding(shape.padding),)  # (the plan's, read once)
+    key = kept_steps.step_key(model, shape.batch, shape.max_seq_len, shape.padding, extra["left"][0] is not None)
     fingerprint = None if key is None else kept_steps.model_fingerprint(model)
     found = kept_steps.take(model, key, fingerprint)
     if found is not None:
@@ -263,7 +270,10 @@ def generate_graphed(model, inner, cache, args, kwargs, padding=None, plan: Gene
     the cache reads as native's would.  How many steps went through the graph and how often it was captured are
     kept in the model's state (and ``plan``)."""
     previous = cache.padding_starts if padding is not None else None
-    starts = None if padding is None else _left_padding(padding)
+    if plan is not None and plan.padding is padding:
+        starts = plan.left_padding()
+    else:
+        starts = None if padding is None else _left_padding(padding)
     if starts is not None:
         cache.set_left_padding(starts)
     kept = False
