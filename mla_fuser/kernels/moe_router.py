@@ -48,8 +48,8 @@ MAX_EXPERTS = 256  # the scores of one row stay in registers
 MAX_TOP_K = 16
 MAX_POST = 2  # scale / div steps after the renorm
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # loaded and widened to fp32 (exact)
-# The logits kernel re-reads the gate weight (from L2) for every row: it is for a decode step's few rows; a
-# prefill's many rows, and gates far larger than DeepSeek-V2's 160 x 5120, stay on cuBLAS.  Measured on an H200
+# The per-row logits kernel re-reads the gate weight (from L2) for every row: it is for a decode step's few rows
+# (many rows: the row-block kernel below, or cuBLAS; gates far larger than DeepSeek-V2's 160 x 5120: cuBLAS).  H200
 # (benchmarks/results/router_logits.json, logits + selection against fp32 copies + cuBLAS + selection): the kernel
 # wins up to about 2^24 row-times-gate elements (V2-Lite 64 x 2048: 128 rows; GLM-4.5-Air's 128 x 4096 and V2's
 # 160 x 5120: 16 rows) and loses beyond; V3's fp32 256 x 7168 gate loses even at one row
