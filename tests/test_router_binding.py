@@ -212,7 +212,7 @@ def test_logits_kernel_off_the_interpreter_on_cpu_is_torch():
 def _logits_spy(monkeypatch):
     calls = []
     original = rb.router_logits_triton
-    monkeypatch.setattr(rb, "router_logits_triton", lambda *a: calls.append(a[0].shape[0]) or original(*a))
+    monkeypatch.setattr(rb, "router_logits_triton", lambda *a, **k: calls.append(a[0].shape[0]) or original(*a, **k))
     return calls
 
 

@@ -42,7 +42,7 @@ from .dispatch import MAX_COMBINE, SUM_COMBINE, LazyJit, cdiv, next_pow2, tl, us
 
 __all__ = ["LOGITS_MAX_WEIGHT", "LOGITS_MAX_WORK", "MAX_EXPERTS", "MAX_TOP_K", "ROWS", "ROW_BLOCKS", "RouteParams",
            "logits_fit", "logits_path", "router_logits", "router_logits_ref", "router_logits_triton",
-           "scores_and_choice", "select_experts", "select_experts_ref", "select_experts_triton"]
+           "rows_per_program", "scores_and_choice", "select_experts", "select_experts_ref", "select_experts_triton"]
 
 MAX_EXPERTS = 256  # the scores of one row stay in registers
 MAX_TOP_K = 16
@@ -294,6 +294,12 @@ def row_block_rows(rows: int) -> int:
     return next(block_m for least, block_m in LOGITS_ROW_BLOCKS if rows >= least)
 
 
+def rows_per_program(path: str, rows: int) -> int:
+    """:func:`router_logits_triton`'s ``block_m`` for a call of ``rows`` rows that :func:`logits_path` sent down
+    ``path`` (0: one row per program), for callers that already asked it."""
+    return row_block_rows(rows) if path == ROW_BLOCKS else 0
+
+
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """Torch twin of the logits kernel: ``F.linear`` of ``x`` and ``weight`` (and ``bias``) widened to fp32, what
     DeepSeek-V2/V3's routers compute; ``[T, E]`` fp32."""
@@ -386,7 +392,7 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     if rows == 0:
         return out
     if block_m is None:
-        block_m = row_block_rows(rows) if logits_path(x, weight, bias) == ROW_BLOCKS else 0
+        block_m = rows_per_program(logits_path(x, weight, bias), rows)
     if block_m:
         if x.dtype not in ROW_BLOCK_DTYPES or weight.dtype not in ROW_BLOCK_DTYPES:
             raise ValueError(f"router logits: the row-block kernel takes 16-bit values, got {x.dtype} rows and a "
@@ -413,6 +419,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     :func:`logits_path` names one (one launch, no fp32 copies of the hidden states or the gate), else
     :func:`router_logits_ref`.  The kernels sum in another order than cuBLAS (a few fp32 ulps of the terms' total)
     and, for one tile (``block_e``, ``block_m``), a row's result does not depend on the rows beside it."""
-    if logits_fit(x, weight, bias):
-        return router_logits_triton(x, weight, bias)
+    path = logits_path(x, weight, bias)
+    if path:
+        return router_logits_triton(x, weight, bias, block_m=rows_per_program(path, x.shape[0]))
     return router_logits_ref(x, weight, bias)

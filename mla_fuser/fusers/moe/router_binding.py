@@ -33,7 +33,8 @@ from ... import envs
 from ...fx_ops import attr_of
 from ...kernels.dispatch import use_triton
 from ...kernels.moe_router import (INPUT_DTYPES, MAX_POST, RouteParams, logits_path, router_logits_ref,
-                                   router_logits_triton, scores_and_choice, select_experts, select_experts_ref)
+                                   router_logits_triton, rows_per_program, scores_and_choice, select_experts,
+                                   select_experts_ref)
 from ...plans import plan_of, set_plan
 from ..base import bind_instance_forward
 from .specs import MoEMatch, RouterSpec
@@ -115,7 +116,11 @@ class _RouterPlan:
 
     def ours(self, tensors, flat, on_kernel: str):
         """This binding's ``(logits, weights, ids)`` for the rows ``flat [T, H]``."""
-        logits = router_logits_triton(flat, tensors[0], tensors[1]) if on_kernel else self.logits(tensors, flat)
+        if on_kernel:  # (the kernel logits_on_kernel chose, not chosen again)
+            logits = router_logits_triton(flat, tensors[0], tensors[1],
+                                          block_m=rows_per_program(on_kernel, flat.shape[0]))
+        else:
+            logits = self.logits(tensors, flat)
         return (logits, *select_experts(logits, tensors[2], self.params))
 
     def usable(self, tensors, x) -> bool:
