@@ -164,6 +164,15 @@ def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_gr
     return out
 
 
+# what a row of an in-process A/B keeps of its run
+AB_FIGURES = ("output_tok_per_s", "ttft_s", "tpot_ms", "graph_captures", "failed", "wrong_lengths", "wall_s")
+
+
+def ab_row(run: dict, **label) -> dict:
+    """One A/B row: ``label`` (what the arm set), then the run's ``AB_FIGURES``."""
+    return {**label, **{k: run[k] for k in AB_FIGURES}}
+
+
 def parse_engine_settings(text: str) -> list[dict]:
     """``--ab-engine``'s settings: ``'a=1,b=2;a=3'`` -> ``[{'a': 1, 'b': 2}, {'a': 3}]`` (integer fields only)."""
     settings = []
@@ -197,8 +206,7 @@ def engine_ab(model, prompts, outputs, args, graphs, warmup, device):
         finally:
             ENGINE_EXTRA.clear()
             ENGINE_EXTRA.update(base)
-        row = {"setting": setting, **{k: run[k] for k in ("output_tok_per_s", "ttft_s", "tpot_ms", "graph_captures",
-                                                          "failed", "wrong_lengths", "num_blocks", "wall_s")}}
+        row = ab_row(run, setting=setting, num_blocks=run["num_blocks"])
         if device.type == "cuda":
             row["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
         rows.append(row)
@@ -234,9 +242,7 @@ def constant_ab(model, prompts, outputs, args, graphs, warmup):
                              args.max_batch_tokens, warmup)
             finally:
                 setattr(module, name, original)
-            row = {"round": round_, "arm": arm, name: original if arm == "A" else value,
-                   **{k: run[k] for k in ("output_tok_per_s", "ttft_s", "tpot_ms", "failed", "wrong_lengths",
-                                          "wall_s")}}
+            row = ab_row(run, round=round_, arm=arm, **{name: original if arm == "A" else value})
             rows.append(row)
             print(json.dumps(row), flush=True)
     return {"constant": args.ab_constant, "runs": rows}
@@ -576,8 +582,7 @@ def main(argv=None):
             with switch_interval(value):
                 run = run_cb(fused, prompts, outputs, args.max_memory_percent, args.num_blocks, graphs,
                              args.max_batch_tokens, warmup, concurrency=args.in_process_concurrency)
-            row = {"switch_interval_s": value, **{k: run[k] for k in ("output_tok_per_s", "ttft_s", "tpot_ms",
-                                                                      "graph_captures", "failed", "wrong_lengths")}}
+            row = ab_row(run, switch_interval_s=value)
             result["switch_interval_ab"].append(row)
             print(json.dumps(row), flush=True)
     if args.ab_constant:
