@@ -224,3 +224,30 @@ def test_absorbed_views_follow_the_weight(bias):
         check()
     mod.kv_up = torch.nn.Linear(*reversed(mod.kv_up.weight.shape), bias=bias)  # a new module
     check()
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_absorbed_decode_output_is_token_major_and_exact(tokens, bias):
+    """The value projection writes the attention output token-major (``[B, T, H, v]`` contiguous: the modeling
+    code's ``reshape(batch, tokens, -1)`` is then a view, not a copy kernel per layer), with the very values of the
+    per-head batched GEMM; while autograd records it still runs (``out=`` has no backward)."""
+    from types import SimpleNamespace
+
+    from mla_fuser.attention_interfaces.paged import absorbed_decode
+
+    torch.manual_seed(0)
+    B, H, nope, rope, rank, v = 2, 3, 8, 4, 16, 6
+    m = SimpleNamespace(qk_nope_head_dim=nope)
+    query = torch.randn(B, H, tokens, nope + rope)
+    w_uk, w_uv = torch.randn(H, nope, rank), torch.randn(H, v, rank)
+    b_v = torch.randn(H, v) if bias else None
+    lat_out = torch.randn(B * tokens, H, rank)
+    out = absorbed_decode(query, w_uk, w_uv, b_v, m, torch.float32, lambda q_lat, q_pe: lat_out)
+    want = torch.bmm(lat_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+    want = (want if b_v is None else want + b_v).reshape(B, tokens, H, v)
+    assert out.shape == (B, tokens, H, v) and out.is_contiguous()
+    assert torch.equal(out, want)
+    w_uv.requires_grad_(True)
+    graded = absorbed_decode(query, w_uk, w_uv, b_v, m, torch.float32, lambda q_lat, q_pe: lat_out)
+    assert graded.requires_grad and torch.allclose(graded, want)

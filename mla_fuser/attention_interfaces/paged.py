@@ -103,11 +103,23 @@ def absorbed_decode(query, w_uk, w_uv, b_v, m, q_dtype, attend):
     with on_device(q_lat):
         out_lat = attend(q_lat, _as(q_pe, q_dtype))
     # [H, B, rank] x [H, rank, v] -> [H, B, v]
-    out = torch.bmm(_as(out_lat.transpose(0, 1), w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1)
+    out = _value_projection(_as(out_lat.transpose(0, 1), w_uv.dtype), w_uv.transpose(1, 2))
     if b_v is not None:
         out = out + b_v
     out = out.unsqueeze(1) if tokens == 1 else out.view(batch, tokens, *out.shape[1:])
     return _as(out, query.dtype)
+
+
+def _value_projection(lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
+    """``[B, H, v]`` contiguous: ``lat [H, B, rank] @ w_uv_t [H, rank, v]`` per head, written by the batched GEMM
+    straight into the token-major layout (cuBLAS takes the transposed view as a strided output), so the modeling
+    code's ``reshape(batch, tokens, -1)`` of the attention output is a view instead of a copy kernel per layer.
+    While autograd records (``out=`` has no backward) the product is returned as a transposed view, as before."""
+    if torch.is_grad_enabled() and (lat.requires_grad or w_uv_t.requires_grad):
+        return torch.bmm(lat, w_uv_t).transpose(0, 1)
+    dest = lat.new_empty((lat.shape[1], lat.shape[0], w_uv_t.shape[2]), dtype=torch.result_type(lat, w_uv_t))
+    torch.bmm(lat, w_uv_t, out=dest.transpose(0, 1))
+    return dest
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
