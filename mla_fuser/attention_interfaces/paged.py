@@ -114,8 +114,9 @@ def _value_projection(lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
     """``[B, H, v]`` contiguous: ``lat [H, B, rank] @ w_uv_t [H, rank, v]`` per head, written by the batched GEMM
     straight into the token-major layout (cuBLAS takes the transposed view as a strided output), so the modeling
     code's ``reshape(batch, tokens, -1)`` of the attention output is a view instead of a copy kernel per layer.
-    While autograd records (``out=`` has no backward) the product is returned as a transposed view, as before."""
-    if torch.is_grad_enabled() and (lat.requires_grad or w_uv_t.requires_grad):
+    While autograd records (``out=`` has no backward) or under ``torch.compile`` (Dynamo does not trace a strided
+    ``out=``; the compiler lays the copy out itself) the product is returned as a transposed view, as before."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (lat.requires_grad or w_uv_t.requires_grad)):
         return torch.bmm(lat, w_uv_t).transpose(0, 1)
     dest = lat.new_empty((lat.shape[1], lat.shape[0], w_uv_t.shape[2]), dtype=torch.result_type(lat, w_uv_t))
     torch.bmm(lat, w_uv_t, out=dest.transpose(0, 1))
