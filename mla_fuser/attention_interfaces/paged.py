@@ -118,7 +118,7 @@ def _value_projection(lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
     ``out=``; the compiler lays the copy out itself) the product is returned as a transposed view, as before."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (lat.requires_grad or w_uv_t.requires_grad)):
         return torch.bmm(lat, w_uv_t).transpose(0, 1)
-    dest = lat.new_empty((lat.shape[1], lat.shape[0], w_uv_t.shape[2]), dtype=torch.result_type(lat, w_uv_t))
+    dest = lat.new_empty((lat.shape[1], lat.shape[0], w_uv_t.shape[2]))  # (bmm takes one dtype: the caller cast)
     torch.bmm(lat, w_uv_t, out=dest.transpose(0, 1))
     return dest
 
