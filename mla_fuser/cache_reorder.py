@@ -4,8 +4,9 @@ Beam search reorders the cache after every step.  Done layer by layer, a reorder
 and ~100 µs of host time per layer (3.8 ms per step on an H200, while the GPU waited: the reorder follows the
 step's sync).  The layers of one cache hold the same block tables (a static cache reserves the same pages in every
 layer's pool, and every change goes to all layers), so the host work is done once, the new block-table rows are
-computed once per device and copied to every layer with one multi-tensor copy; only the partly written page is
-copied layer by layer (two launches each).  Nothing waits for the device: the device side works from the indices
+computed once per device and copied to every layer with one multi-tensor copy, and the written rows of the partly
+written pages are copied for every layer in two launches (``kernels.page_prefix_copy``; as two indexed copies of
+whole pages per layer they cost 0.36 ms per step on an H200).  Nothing waits for the device: the device side works from the indices
 where they are, and the host copy of the block tables follows once the indices reach the host
 (:class:`PendingTables`), so the reorder's launches queue behind the step instead of starting after it (the step's
 sync, which came first in the reorder, came later anyway: beam search checks its stopping criteria).
@@ -25,6 +26,7 @@ import math
 import torch
 
 from .kernels.latent_fp8 import raw
+from .kernels.page_prefix_copy import copy_page_prefixes
 
 
 class PendingTables:
@@ -152,12 +154,15 @@ def _reorder_group(group: list, index: torch.Tensor, full: int, partial: int) ->
     them into every layer's block table, and the partly written page layer by layer."""
     lead = group[0]
     rows = lead.block_table.index_select(0, index)  # old rows, new order
-    if partial:  # the partly written page: old source[i]'s page `full` into i's own page `full`
+    if partial:  # the partly written page's written rows: old source[i]'s page `full` into i's own page `full`
         home_columns = _home_columns(lead)
         own, theirs = home_columns[full], rows[:, full].long()
-        for layer in group:
-            pages = raw(layer.pool.pages)
-            pages.index_copy_(0, own, pages.index_select(0, theirs))
+        pools = [raw(layer.pool.pages) for layer in group]
+        if all(p.shape[1:] == pools[0].shape[1:] and p.dtype == pools[0].dtype and p.is_contiguous() for p in pools):
+            copy_page_prefixes(pools, own, theirs, partial)  # (every layer in two launches)
+        else:
+            for pages in pools:
+                pages.index_copy_(0, own, pages.index_select(0, theirs))
     if full:  # columns from `full` on stay each sequence's own pages
         rows[:, full:] = lead.block_table[:, full:]
         torch._foreach_copy_([layer.block_table for layer in group], [rows] * len(group))
