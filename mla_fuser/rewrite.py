@@ -1,6 +1,6 @@
 """libcst rewriting of an MLA module's forward source, compiled in the module's globals, bound to one instance.
 
-Three edits, each only when nothing is in doubt (otherwise ``RewriteError`` with the reason, and the module
+Four edits, each only when nothing is in doubt (otherwise ``RewriteError`` with the reason, and the module
 is left exactly as it was):
 
 (a) the two projections of the hidden states, ``self.<q_a>(x)`` (q-LoRA's down-projection, or without q-LoRA
@@ -15,7 +15,11 @@ is left exactly as it was):
 (c) every call ``a, b = f(a, b, *tables)`` (a plain function given positional arguments, its two results bound back
     to the two names it took: the shape of a rotary call) becomes ``self._mla_fuser_rotary(f, a, b, *tables)``,
     which runs the rotary kernel once ``f``'s first run showed which rotary it computes, and ``f`` itself
-    otherwise (``rotary_call``).
+    otherwise (``rotary_call``);
+(d) where the rotated query ``a`` of such a call has one later use, ``torch.cat((n, a), dim=-1)`` (the MLA query
+    joined), the call goes through ``.before_join`` and the cat becomes ``self._mla_fuser_rotary.join(torch.cat,
+    (n, a), dim=-1)``: the rotary launch also writes the joined query, and ``join`` returns it where it provably
+    equals the cat (else it runs the cat), one launch less per layer (``RotaryCall.join``).
 
 The new function is compiled with the original module's globals as ``__globals__`` (definitions land in a
 scratch namespace, nothing is added to the transformers module) and bound to the *instance*; the class and
@@ -484,10 +488,17 @@ def build_rewritten_source(module: nn.Module, match) -> tuple[str, str, type]:
     replacements[id(qc)] = cst.Name(q_name)
     replacements[id(kc)] = cst.Name(kv_name)
 
-    # (c) rotary calls ``a, b = f(a, b, *tables)`` go through ``self._mla_fuser_rotary(f, a, b, *tables)``
-    for call in _rotary_calls(func):
+    # (c) rotary calls ``a, b = f(a, b, *tables)`` go through ``self._mla_fuser_rotary(f, a, b, *tables)``; (d) where
+    # ``a``'s one later use is ``torch.cat((n, a), dim=-1)``, through ``.before_join`` and that cat through ``.join``
+    rotary_calls = _rotary_calls(func)
+    for call in rotary_calls:
+        cat = _joining_cat(body, call, rotary_calls)
+        method = f"self.{ROTARY_ATTR}" if cat is None else f"self.{ROTARY_ATTR}.before_join"
         replacements[id(call)] = call.with_changes(
-            func=cst.parse_expression(f"self.{ROTARY_ATTR}"), args=[cst.Arg(call.func), *call.args])
+            func=cst.parse_expression(method), args=[cst.Arg(call.func), *call.args])
+        if cat is not None:
+            replacements[id(cat)] = cat.with_changes(
+                func=cst.parse_expression(f"self.{ROTARY_ATTR}.join"), args=[cst.Arg(cat.func), *cat.args])
 
     new_func = func.visit(_Replace(replacements))
     new_body = list(new_func.body.body)
@@ -517,6 +528,66 @@ def _rotary_calls(func: cst.FunctionDef) -> list[cst.Call]:
         if [a.value.value if isinstance(a.value, cst.Name) else None for a in args[:2]] == names:
             found.append(call)
     return found
+
+
+def _is_torch_cat(node: cst.CSTNode) -> bool:
+    return (isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value == "cat"
+            and isinstance(node.func.value, cst.Name) and node.func.value.value == "torch")
+
+
+def _references(stmt: cst.CSTNode, name: str) -> list[cst.Name]:
+    """The ``Name`` nodes of ``stmt`` that read or write the variable ``name`` (not attribute names, keywords or
+    parameters)."""
+    skip: set[int] = set()
+    for node in _walk(stmt):
+        if isinstance(node, cst.Attribute):
+            skip.add(id(node.attr))
+        elif isinstance(node, cst.Arg) and node.keyword is not None:
+            skip.add(id(node.keyword))
+        elif isinstance(node, cst.Param):
+            skip.add(id(node.name))
+    return [n for n in _walk(stmt) if isinstance(n, cst.Name) and n.value == name and id(n) not in skip]
+
+
+def _joining_cat(body: list[cst.CSTNode], call: cst.Call, rotary_calls: list[cst.Call]) -> cst.Call | None:
+    """The ``torch.cat((n, a), dim=-1)`` call (a 2-sequence, ``a`` second, the last dim) that is the only use of
+    the rotated query ``a`` of rotary call ``call`` before ``a`` is assigned again; None when there is no such single
+    use.  Within the top-level statement that holds ``call`` (an ``if`` choosing between two rotaries, say) ``a`` may
+    only appear in rotary calls' assignments (``rotary_calls``: ``_rotary_calls``); uses are counted from the next
+    statement on.  What ``RotaryCall.join`` then returns is checked when it runs."""
+    index = next((i for i, stmt in enumerate(body) if any(node is call for node in _walk(stmt))), None)
+    if index is None:
+        return None
+    assigns = {id(node.value): node for node in _walk(body[index])
+               if isinstance(node, cst.Assign) and any(node.value is c for c in rotary_calls)}
+    name = assigns[id(call)].targets[0].target.elements[0].value.value
+    allowed = {id(n) for a in assigns.values() if a.targets[0].target.elements[0].value.value == name
+               for n in _references(a, name)}
+    if any(id(n) not in allowed for n in _references(body[index], name)):
+        return None
+    uses: list[cst.Name] = []
+    cats: dict[int, cst.Call] = {}
+    for stmt in body[index + 1:]:
+        for node in _walk(stmt):
+            if _is_torch_cat(node) and node.args and isinstance(node.args[0].value, (cst.Tuple, cst.List)):
+                elements = node.args[0].value.elements
+                if (len(elements) == 2 and all(type(e) is cst.Element for e in elements)  # (no *starred)
+                        and isinstance(elements[1].value, cst.Name)):
+                    cats[id(elements[1].value)] = node
+        uses += _references(stmt, name)
+        if name in _assigned_names(stmt):
+            break
+    if len(uses) != 1 or id(uses[0]) not in cats:
+        return None
+    cat = cats[id(uses[0])]
+    dims = [a for a in cat.args[1:]]
+    if len(dims) != 1 or dims[0].star or (dims[0].keyword is not None and dims[0].keyword.value != "dim"):
+        return None
+    dim = dims[0].value
+    if not (isinstance(dim, cst.UnaryOperation) and isinstance(dim.operator, cst.Minus)
+            and isinstance(dim.expression, cst.Integer) and dim.expression.value == "1"):
+        return None
+    return cat
 
 
 def _expansion_targets(stmt: cst.CSTNode, call: cst.Call) -> list[str]:

@@ -63,6 +63,47 @@ def _agrees(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor) -> bool:
     return bool((diff <= eps * (want.float().abs() + 2 * scale) + torch.finfo(want.dtype).tiny).all())
 
 
+class PendingJoin:
+    """What a :meth:`RotaryCall.before_join` call left for the join after it: the call's kind, its query input
+    (``source``), the rotated query it returned (``rope``), the joined query it also made (``joined``, None while the
+    kind's width is not known) and the version counters then."""
+
+    __slots__ = ("kind", "source", "rope", "joined", "version", "joined_version")
+
+    def __init__(self, kind, source, rope, joined, version):
+        self.kind, self.source, self.rope, self.joined, self.version = kind, source, rope, joined, version
+        self.joined_version = None if joined is None else joined._version
+
+
+def columns_before(q: torch.Tensor, width: int) -> torch.Tensor | None:
+    """The ``width`` columns just before ``q``'s in the same rows of the same storage (a view), or None where there
+    are none: ``q`` must have unit-stride rows and at least ``width`` elements of its storage before it.  What an
+    MLA forward's ``torch.split(q, [nope, rope], -1)`` leaves as ``q_nope`` beside ``q_pe``."""
+    if q.dim() == 0 or q.stride(-1) != 1 or q.storage_offset() < width:
+        return None
+    return q.as_strided((*q.shape[:-1], width), q.stride(), q.storage_offset() - width)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    return (b is not None and a.dtype == b.dtype and a.device == b.device and a.shape == b.shape
+            and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
+def _join_operands(cat, args, kwargs):
+    """``(first, second)`` of a ``torch.cat((first, second), dim=-1)`` call (the dim as ``-1`` or the last index,
+    positional or keyword), else None."""
+    if cat is not torch.cat or not args or len(args) > 2 or set(kwargs) - {"dim"} or (len(args) == 2 and kwargs):
+        return None
+    seq = args[0]
+    dim = args[1] if len(args) == 2 else kwargs.get("dim", 0)
+    if not isinstance(seq, (tuple, list)) or len(seq) != 2 or type(seq[1]) is not torch.Tensor:
+        return None
+    if type(dim) is not int or dim not in (-1, seq[1].dim() - 1):
+        return None
+    return seq[0], seq[1]
+
+
 class RotaryCall:
     """``self._mla_fuser_rotary`` of one rewritten module: ``(f, q, k, *tables) -> f(q, k, *tables)``'s result,
     on the kernel for kinds of call whose recipe is known (module docstring).  ``verdicts``: kind -> recipe or
@@ -70,6 +111,8 @@ class RotaryCall:
 
     def __init__(self):
         self.verdicts: dict = {}
+        self.nope_widths: dict = {}  # kind -> width of the query part joined before the rotated one (learnt)
+        self.pending: PendingJoin | None = None  # the last before_join call's, for the join that follows it
 
     @staticmethod
     def _kind(fn, q, k, tables):
@@ -77,10 +120,21 @@ class RotaryCall:
                 tuple((t.dtype, t.dim(), t.shape[-1]) if isinstance(t, torch.Tensor) else type(t) for t in tables))
 
     def __call__(self, fn, q, k, *tables, **kwargs):
+        return self._call(fn, q, k, tables, kwargs, False)
+
+    def before_join(self, fn, q, k, *tables, **kwargs):
+        """``__call__`` for a call whose rotated query the forward only joins after its other part (the rewrite
+        checked that its one use is ``torch.cat((q_nope, q_pe), dim=-1)``, now :meth:`join`): once a join showed
+        where that other part lies (the columns just before the rotated ones, in the same rows), the kernel writes
+        the joined query in the same launch and the rotated part is returned as a view of it."""
+        return self._call(fn, q, k, tables, kwargs, True)
+
+    def _call(self, fn, q, k, tables, kwargs, joinable):
         if (type(q) is not torch.Tensor or not use_triton(q) or kwargs  # (no subclasses: DTensor, fake)
                 or type(k) is not torch.Tensor or torch.compiler.is_compiling()
                 or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
             return fn(q, k, *tables, **kwargs)
+        self.pending = None
         kind = self._kind(fn, q, k, tables)
         recipe = self.verdicts.get(kind, ...)
         if recipe is ...:
@@ -96,7 +150,44 @@ class RotaryCall:
         cos, sin = recipe_tables(recipe, q, tables)
         if rotary_problem(q, k, cos, sin, recipe) is not None:
             return fn(q, k, *tables)
-        return rotary(q, k, cos, sin, recipe)
+        if not joinable or q.is_inference():  # (inference tensors keep no version counter: join cannot check)
+            return rotary(q, k, cos, sin, recipe)
+        width = self.nope_widths.get(kind)
+        nope = None if width is None else columns_before(q, width)
+        if nope is None:
+            q_out, k_out = rotary(q, k, cos, sin, recipe)
+            self.pending = PendingJoin(kind, q, q_out, None, q._version)
+            return q_out, k_out
+        joined, k_out = rotary(q, k, cos, sin, recipe, q_nope=nope)
+        q_out = joined[..., width:]
+        self.pending = PendingJoin(kind, q, q_out, joined, q._version)
+        return q_out, k_out
+
+    def join(self, cat, *args, **kwargs):
+        """``cat(*args, **kwargs)`` (the forward's ``torch.cat((q_nope, q_pe), dim=-1)``), or the query the last
+        :meth:`before_join` call already joined, when that is provably the same values: ``q_pe`` is the very tensor
+        it returned, unchanged since (version counter), and ``q_nope`` the very memory it copied (same storage,
+        offset, shape and strides: the columns before the rotated ones), unchanged since.  Anything else, or the
+        first call of a kind (which only learns the width of ``q_nope`` from an adjacent one), runs ``cat``."""
+        if torch.compiler.is_compiling():  # (before any state is touched: nothing of it for the compiler to trace)
+            return cat(*args, **kwargs)
+        pending, self.pending = self.pending, None
+        parts = _join_operands(cat, args, kwargs)
+        if pending is None or parts is None:
+            return cat(*args, **kwargs)
+        nope, rope = parts
+        if rope is not pending.rope or type(nope) is not torch.Tensor or nope.is_inference():
+            return cat(*args, **kwargs)
+        width = nope.shape[-1] if nope.dim() == rope.dim() else 0
+        same = (width > 0 and _same_view(nope, columns_before(pending.source, width))
+                and nope._version == pending.version and pending.source._version == pending.version)
+        if pending.joined is None:
+            if same:
+                self.nope_widths[pending.kind] = width
+            return cat(*args, **kwargs)
+        if same and width == pending.joined.shape[-1] - rope.shape[-1] and rope._version == pending.joined_version:
+            return pending.joined
+        return cat(*args, **kwargs)
 
     @staticmethod
     def _identify(q, k, tables, expected):

@@ -97,7 +97,7 @@ def test_call_takes_the_kernel_only_for_a_confirmed_recipe(interp, monkeypatch, 
     v2, v3_interleave, v3_halves = _transformers_rotaries()
     launches = []
     real = rc.rotary
-    monkeypatch.setattr(rc, "rotary", lambda *a: launches.append(a[-1]) or real(*a))
+    monkeypatch.setattr(rc, "rotary", lambda *a, **kw: launches.append(a[4]) or real(*a, **kw))
     q, k = _qk(2, 4, 6, 16, dtype)
     g = torch.Generator().manual_seed(5)
     freqs = torch.polar(torch.ones(2, 6, 8), torch.randn(2, 6, 8, generator=g))
@@ -159,9 +159,10 @@ def test_fused_models_rotate_on_the_kernel_and_equal_native(interp, monkeypatch,
         pytest.skip("DeepSeek-V2 has one rotary")
     import mla_fuser.rotary_call as rc
 
-    launches = []
+    launches, joins = [], []
     real = rc.rotary
-    monkeypatch.setattr(rc, "rotary", lambda *a: launches.append(a[-1]) or real(*a))
+    monkeypatch.setattr(rc, "rotary", lambda *a, **kw: launches.append(a[4]) or joins.append("q_nope" in kw)
+                        or real(*a, **kw))
     extra = {} if arch == "deepseek_v2" else {"rope_interleave": interleave}
     native = tiny_deepseek(arch=arch, layers=2, **extra)
     fused = tiny_deepseek(arch=arch, attn="vllm_mla", layers=2, **extra)
@@ -172,6 +173,8 @@ def test_fused_models_rotate_on_the_kernel_and_equal_native(interp, monkeypatch,
     verdicts = getattr(fused.model.layers[0].self_attn, ROTARY_ATTR).verdicts
     assert list(verdicts.values()) == [recipe]
     assert launches.count(recipe) > 5  # every later call of every layer ran the kernel
+    # from each layer's third call on, the launch also joined the query (the forward's cat is gone)
+    assert joins.count(True) >= len(joins) - 3 * 2 > 0
 
 
 def test_rotary_rewrite_skips_calls_of_other_shapes():
@@ -193,3 +196,130 @@ def test_rotary_rewrite_skips_calls_of_other_shapes():
     func = cst.parse_module(source).body[0]
     calls = _rotary_calls(func)
     assert len(calls) == 1 and cst.Module(body=[]).code_for_node(calls[0]) == "rope(q, k, c, s)"
+
+
+def _split_query(batch, heads, tokens, nope, rope, dtype, seed=1):
+    """``(q_nope, q_pe)`` as an MLA forward has them: ``torch.split`` of a transposed ``[B, T, H, nope + rope]``
+    projection (views of one storage, the rope columns right after the nope ones)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, tokens, heads, nope + rope, generator=g).to(dtype).transpose(1, 2)
+    return torch.split(q, [nope, rope], dim=-1)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_writes_the_joined_query_in_the_same_launch(interp, recipe, dtype):
+    q_nope, q_pe = _split_query(2, 3, 5, 10, 12, dtype)
+    k = torch.randn(2, 1, 5, 12).to(dtype)
+    cos, sin = _tables(recipe, 2, 5, 12, dtype)
+    joined, k_out = rotary_triton(q_pe, k, cos, sin, recipe, q_nope=q_nope)
+    want_q, want_k = rotary_ref(q_pe, k, cos, sin, recipe)
+    assert joined.shape == (2, 3, 5, 22) and joined.is_contiguous()
+    assert torch.equal(joined[..., :10], q_nope)  # copied, not computed
+    for got, want in ((joined[..., 10:], want_q), (k_out, want_k)):
+        if dtype == torch.bfloat16:  # (the interpreter's truncation, as above)
+            torch.testing.assert_close(got.float(), want.float(), rtol=0,
+                                       atol=4 * 2 ** -8 * want.float().abs().max().item())
+        else:
+            assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="does not go with"):
+        rotary_triton(q_pe, k, cos, sin, recipe, q_nope=q_nope[:, :2])
+
+
+def _join_steps(call, fn, q_nope, q_pe, k, tables, between=None):
+    """One forward's two calls: ``before_join``, then ``join`` (``between`` runs in between); returns the joined
+    query and what ``torch.cat`` gives on the same operands then."""
+    rot, _ = call.before_join(fn, q_pe, k, *tables)
+    if between is not None:
+        between(q_nope, rot)
+    want = torch.cat((q_nope, rot), dim=-1)
+    return call.join(torch.cat, (q_nope, rot), dim=-1), want, rot
+
+
+def test_join_returns_the_kernels_joined_query_only_where_it_equals_the_cat(interp, monkeypatch):
+    import mla_fuser.rotary_call as rc
+
+    v2, _, _ = _transformers_rotaries()
+    launches = []
+    real = rc.rotary
+    monkeypatch.setattr(rc, "rotary", lambda *a, **kw: launches.append("q_nope" in kw) or real(*a, **kw))
+    q_nope, q_pe = _split_query(2, 4, 3, 6, 8, torch.float32)
+    k = torch.randn(2, 1, 3, 8)
+    freqs = torch.polar(torch.ones(2, 3, 4), torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(2)))
+    call = RotaryCall()
+    kind = RotaryCall._kind(v2, q_pe, k, (freqs,))
+    # call 1 identifies the recipe, call 2 learns where q_nope lies (both joined by torch.cat), call 3 on joins in
+    # the rotary's launch: the join hands back the rotary's own buffer, equal to the cat
+    for step in range(4):
+        launches.clear()
+        got, want, rot = _join_steps(call, v2, q_nope, q_pe, k, (freqs,))
+        assert torch.equal(got, want)
+        assert call.nope_widths.get(kind) == (None if step == 0 else 6)
+        joined = step >= 2
+        assert (rot._base is got) == joined and launches == [joined]
+    # q_nope written in place after the rotary: the cat runs on the new values
+    got, want, _ = _join_steps(call, v2, q_nope.clone(), q_pe, k, (freqs,))  # another tensor: not the adjacent one
+    assert torch.equal(got, want)
+    q_nope2, q_pe2 = _split_query(2, 4, 3, 6, 8, torch.float32, seed=4)
+    got, want, rot = _join_steps(call, v2, q_nope2, q_pe2, k, (freqs,), between=lambda n, r: n.mul_(3))
+    assert torch.equal(got, want) and rot._base is not got
+    got, want, rot = _join_steps(call, v2, q_nope2, q_pe2, k, (freqs,), between=lambda n, r: r.add_(1))
+    assert torch.equal(got, want) and rot._base is not got
+    # another dim, or a cat of something else: the cat as written
+    rot, _ = call.before_join(v2, q_pe2, k, freqs)
+    assert torch.equal(call.join(torch.cat, (q_nope2, rot), -1), torch.cat((q_nope2, rot), -1))
+    rot, _ = call.before_join(v2, q_pe2, k, freqs)
+    other = torch.cat((rot, rot), dim=1)
+    assert torch.equal(call.join(torch.cat, (rot, rot), dim=1), other)
+    # a plain call (no join after it) never joins
+    launches.clear()
+    call(v2, q_pe2, k, freqs)
+    assert launches == [False]
+
+
+def test_join_does_not_join_inference_tensors(interp):
+    v2, _, _ = _transformers_rotaries()
+    freqs = torch.polar(torch.ones(1, 3, 4), torch.randn(1, 3, 4))
+    call = RotaryCall()
+    with torch.inference_mode():  # (no version counters to prove the operands unchanged)
+        q_nope, q_pe = _split_query(1, 2, 3, 6, 8, torch.float32)
+        k = torch.randn(1, 1, 3, 8)
+        for _ in range(3):
+            got, want, rot = _join_steps(call, v2, q_nope, q_pe, k, (freqs,))
+            assert torch.equal(got, want) and rot._base is not got
+
+
+def test_rewrite_joins_only_a_single_last_dim_cat_of_the_rotated_query():
+    import libcst as cst
+
+    from mla_fuser.rewrite import _joining_cat, _rotary_calls
+
+    def joined(lines):
+        source = "def forward(self, q, k, n, c):\n    q, k = rope(q, k, c)\n" + "".join(f"    {x}\n" for x in lines)
+        func = cst.parse_module(source).body[0]
+        calls = _rotary_calls(func)
+        cat = _joining_cat(list(func.body.body), calls[0], calls)
+        return None if cat is None else cst.Module(body=[]).code_for_node(cat)
+
+    assert joined(["x = torch.cat((n, q), dim=-1)", "return x"]) == "torch.cat((n, q), dim=-1)"
+    assert joined(["x = torch.cat([n, q], -1)", "return x"]) == "torch.cat([n, q], -1)"
+    assert joined(["q = q * 2", "x = torch.cat((n, q), dim=-1)"]) is None  # another use first
+    assert joined(["x = torch.cat((n, q), dim=-1)", "return x, q"]) is None  # two uses
+    assert joined(["x = torch.cat((q, n), dim=-1)"]) is None  # the rotated part first
+    assert joined(["x = torch.cat((n, q), dim=1)"]) is None
+    assert joined(["x = torch.cat((n, q))"]) is None  # dim 0
+    assert joined(["x = torch.cat((n, q, n), dim=-1)"]) is None
+    assert joined(["x = torch.cat((*n, q), dim=-1)"]) is None
+    assert joined(["x = other.cat((n, q), dim=-1)"]) is None
+    assert joined(["n = torch.cat((n, n), dim=-1)", "x = torch.cat((n, q), dim=-1)"]) == "torch.cat((n, q), dim=-1)"
+    assert joined(["q = k", "x = torch.cat((n, q), dim=-1)"]) is None  # q reassigned first: not the rotated one
+    # DeepSeek-V3's shape: one of two rotaries chosen by an ``if``; another use inside the ``if`` is a use
+    two = ("    if c:\n        q, k = rope(q, k, c)\n    else:\n        q, k = other(q, k, c)\n{}"
+           "    x = torch.cat((n, q), -1)\n")
+    for extra, want in (("", "torch.cat((n, q), -1)"), ("        y = q + 1\n", None)):
+        func = cst.parse_module("def forward(self, q, k, n, c):\n" + two.format(extra)).body[0]
+        calls = _rotary_calls(func)
+        assert len(calls) == 2
+        for call in calls:
+            cat = _joining_cat(list(func.body.body), call, calls)
+            assert (None if cat is None else cst.Module(body=[]).code_for_node(cat)) == want

@@ -33,7 +33,8 @@ difference of at most one unit in the last place of the output.
 
 Layout: ``q [B, Hq, T, R]`` and ``k [B, Hk, T, R]`` (any strides, the last dim unit-stride or not); tables ``[Bt, T,
 W]`` with ``Bt`` 1 or ``B`` (any strides: a complex table's real and imaginary parts are strided views).  The outputs
-are new contiguous tensors of the inputs' shapes and dtype, as the modeling code's are.
+are new contiguous tensors of the inputs' shapes and dtype, as the modeling code's are; with ``q_nope`` the query's
+output is ``[B, Hq, T, N + R]``, the query joined (the launch that saves the modeling code's ``torch.cat``).
 """
 
 from __future__ import annotations
@@ -75,10 +76,12 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 
 @LazyJit
-def _rotary_kernel(Q, K, QO, KO, C, S, n_q, n_rows, Hq, Hk, T,
-                   sqb, sqh, sqt, sqr, skb, skh, skt, skr, scb, sct, scw, ssb, sst, ssw,
-                   RECIPE: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr, ROWS: tl.constexpr):
-    # ROWS rows per program; a row is one (b, h, t) of q (rows [0, n_q)) or of k (rows [n_q, n_rows)).
+def _rotary_kernel(Q, K, QO, KO, C, S, N, n_q, n_rows, Hq, Hk, T,
+                   sqb, sqh, sqt, sqr, skb, skh, skt, skr, scb, sct, scw, ssb, sst, ssw, snb, snh, snt, snr,
+                   RECIPE: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr, ROWS: tl.constexpr,
+                   NOPE: tl.constexpr, BLOCK_NOPE: tl.constexpr):
+    # ROWS rows per program; a row is one (b, h, t) of q (rows [0, n_q)) or of k (rows [n_q, n_rows)).  With NOPE > 0
+    # a q row of the output is NOPE + 2P wide: the row of N (the query's other part) copied, then the rotated values.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = rows < n_rows
     is_k = rows >= n_q
@@ -89,7 +92,8 @@ def _rotary_kernel(Q, K, QO, KO, C, S, n_q, n_rows, Hq, Hk, T,
     b = local // (T * heads)
     src = tl.where(is_k, b * skb + h * skh + t * skt, b * sqb + h * sqh + t * sqt)
     step = tl.where(is_k, skr, sqr)
-    dst = local * (2 * P)  # outputs are contiguous [.., R]
+    # outputs are contiguous: k rows [.., R], q rows [.., NOPE + R] with the rotated values after the copied ones
+    dst = tl.where(is_k, local * (2 * P), local * (NOPE + 2 * P) + NOPE)
     i = tl.arange(0, BLOCK_P)
     mask = live[:, None] & (i < P)[None, :]
     if RECIPE == 2:  # halves: a = x[i], b = x[P + i]
@@ -131,11 +135,20 @@ def _rotary_kernel(Q, K, QO, KO, C, S, n_q, n_rows, Hq, Hk, T,
     tl.store(QO + qb, ob, mask=mask & q_rows)
     tl.store(KO + qa, oa, mask=mask & k_rows)
     tl.store(KO + qb, ob, mask=mask & k_rows)
+    if NOPE > 0:
+        j = tl.arange(0, BLOCK_NOPE)
+        copy = live[:, None] & q_rows & (j < NOPE)[None, :]
+        at = (b * snb + h * snh + t * snt)[:, None] + j[None, :] * snr
+        tl.store(QO + (local * (NOPE + 2 * P))[:, None] + j[None, :], tl.load(N + at, mask=copy, other=0.0),
+                 mask=copy)
 
 
-def rotary_problem(q, k, cos, sin, recipe) -> str | None:
+def rotary_problem(q, k, cos, sin, recipe, q_nope=None) -> str | None:
     """Why :func:`rotary` cannot take these operands, or None (``rotary_call`` asks before a call, the launchers
     raise it)."""
+    if q_nope is not None and (q_nope.dim() != 4 or q_nope.shape[:3] != q.shape[:3] or q_nope.dtype != q.dtype
+                               or q_nope.device != q.device):
+        return f"q_nope {tuple(q_nope.shape)} {q_nope.dtype} does not go with q {tuple(q.shape)} {q.dtype}"
     if recipe not in RECIPES:
         return f"unknown rotary recipe {recipe!r}; one of {RECIPES}"
     if q.dim() != 4 or k.dim() != 4:
@@ -150,18 +163,20 @@ def rotary_problem(q, k, cos, sin, recipe) -> str | None:
     return None
 
 
-def _check(q, k, cos, sin, recipe):
-    problem = rotary_problem(q, k, cos, sin, recipe)
+def _check(q, k, cos, sin, recipe, q_nope=None):
+    problem = rotary_problem(q, k, cos, sin, recipe, q_nope)
     if problem is not None:
         raise ValueError(problem)
 
 
-def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, recipe: str):
+def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, recipe: str,
+                  q_nope: torch.Tensor | None = None):
     """Triton path of :func:`rotary` (no dispatch)."""
-    _check(q, k, cos, sin, recipe)
+    _check(q, k, cos, sin, recipe, q_nope)
     B, Hq, T, R = q.shape
     Hk = k.shape[1]
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    nope = 0 if q_nope is None else q_nope.shape[-1]
+    q_out = torch.empty((B, Hq, T, nope + R), dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     n_q, n_k = B * Hq * T, B * Hk * T
     if n_q + n_k == 0:
@@ -170,19 +185,26 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     sb = 0 if sin.shape[0] == 1 else sin.stride(0)
     grid = (cdiv(n_q + n_k, ROWS_PER_PROGRAM),)
     _rotary_kernel[grid](
-        q, k, q_out, k_out, cos, sin, n_q, n_q + n_k, Hq, Hk, T,
+        q, k, q_out, k_out, cos, sin, q if q_nope is None else q_nope, n_q, n_q + n_k, Hq, Hk, T,
         *q.stride(), *k.stride(), cb, cos.stride(1), cos.stride(2), sb, sin.stride(1), sin.stride(2),
-        RECIPE=RECIPES.index(recipe), P=R // 2, BLOCK_P=next_pow2(R // 2), ROWS=ROWS_PER_PROGRAM, num_warps=1,
+        *(q.stride() if q_nope is None else q_nope.stride()),
+        RECIPE=RECIPES.index(recipe), P=R // 2, BLOCK_P=next_pow2(R // 2), ROWS=ROWS_PER_PROGRAM,
+        NOPE=nope, BLOCK_NOPE=next_pow2(max(nope, 1)), num_warps=1,
     )
     return q_out, k_out
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, recipe: str):
-    """``(q_out, k_out)``: both rotated by ``recipe`` (module docstring).  The Triton kernel where
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, recipe: str,
+           q_nope: torch.Tensor | None = None):
+    """``(q_out, k_out)``: both rotated by ``recipe`` (module docstring); with ``q_nope`` (``[B, Hq, T, N]``, any
+    strides) ``q_out`` is ``torch.cat((q_nope, rotated q), -1)``, made in the same launch (the query an MLA forward
+    joins right after its rotary: ``rotary_call.RotaryCall.join``).  The Triton kernel where
     ``dispatch.use_triton`` says so and the dtypes are the kernel's, else :func:`rotary_ref`; the kernel has no
     backward, so the reference runs while autograd records."""
-    if (use_triton(q, k) and q.dtype in KERNEL_DTYPES and q.dtype == k.dtype
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
-        return rotary_triton(q, k, cos, sin, recipe)
-    _check(q, k, cos, sin, recipe)
-    return rotary_ref(q, k, cos, sin, recipe)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                        or (q_nope is not None and q_nope.requires_grad))
+    if use_triton(q, k) and q.dtype in KERNEL_DTYPES and q.dtype == k.dtype and not grad:
+        return rotary_triton(q, k, cos, sin, recipe, q_nope)
+    _check(q, k, cos, sin, recipe, q_nope)
+    q_out, k_out = rotary_ref(q, k, cos, sin, recipe)
+    return (q_out if q_nope is None else torch.cat((q_nope, q_out), dim=-1)), k_out
