@@ -62,6 +62,8 @@ def profile_mode(mode, model, args, device, sync):
         "host_syncs_per_step": sum(n in SYNC_OPS for n in names) / steps,
         "scalar_reads_per_step": d2h / steps,
     }
+    if device.type == "cuda":
+        row["decode_window"] = decode_window(kernels, model.config.num_hidden_layers)
     table = prof.key_averages()
     text = io.StringIO()
     text.write(f"== {mode}: {json.dumps(row)}\n")
@@ -72,6 +74,35 @@ def profile_mode(mode, model, args, device, sync):
     stats.sort_stats("tottime").print_stats(30)
     stats.sort_stats("cumtime").print_stats(30)
     return row, text.getvalue()
+
+
+def decode_window(kernels, layers: int, keep: int = 40) -> dict:
+    """The GPU's time line from the first decode attention kernel on (the prefill left out): per step its span, the
+    time the GPU was busy (kernel intervals merged) and idle, and the kernels by name with their count and time per
+    step, so that what a mode adds around the captured step (beam search's own ops, the gaps while the host works)
+    stands apart from the graph's kernels (those counted ``layers`` times or once per step)."""
+    first = min((e.time_range.start for e in kernels if "mla_decode_stage1" in e.name), default=None)
+    if first is None:
+        return {}
+    window = sorted((e for e in kernels if e.time_range.start >= first), key=lambda e: e.time_range.start)
+    steps = sum("mla_decode_stage1" in e.name for e in window) / layers
+    busy, end = 0.0, first
+    for e in window:
+        start, stop = max(e.time_range.start, end), e.time_range.end
+        if stop > start:
+            busy += stop - start
+            end = stop
+    span = max(e.time_range.end for e in window) - first
+    by_name: dict = {}
+    for e in window:
+        count, total = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (count + 1, total + e.device_time)
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:keep]
+    return {
+        "steps": steps, "span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
+        "idle_us_per_step": (span - busy) / steps,
+        "by_name": [{"name": n[:100], "per_step": c / steps, "us_per_step": t / steps} for n, (c, t) in rows],
+    }
 
 
 def main(argv=None):
