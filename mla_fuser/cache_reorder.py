@@ -26,7 +26,7 @@ import math
 import torch
 
 from .kernels.latent_fp8 import raw
-from .kernels.page_prefix_copy import copy_page_prefixes
+from .kernels.page_prefix_copy import copy_page_prefixes, copy_page_prefixes_ref, pools_fit
 
 
 class PendingTables:
@@ -151,18 +151,15 @@ def reorder_in_place(layers: list, beam_idx: torch.Tensor) -> bool:
 
 def _reorder_group(group: list, index: torch.Tensor, full: int, partial: int) -> None:
     """The device side for the layers of one device (equal block tables): new rows once, one multi-tensor copy of
-    them into every layer's block table, and the partly written page layer by layer."""
+    them into every layer's block table, and the partly written pages' written rows (every layer at once)."""
     lead = group[0]
     rows = lead.block_table.index_select(0, index)  # old rows, new order
     if partial:  # the partly written page's written rows: old source[i]'s page `full` into i's own page `full`
         home_columns = _home_columns(lead)
         own, theirs = home_columns[full], rows[:, full].long()
         pools = [raw(layer.pool.pages) for layer in group]
-        if all(p.shape[1:] == pools[0].shape[1:] and p.dtype == pools[0].dtype and p.is_contiguous() for p in pools):
-            copy_page_prefixes(pools, own, theirs, partial)  # (every layer in two launches)
-        else:
-            for pages in pools:
-                pages.index_copy_(0, own, pages.index_select(0, theirs))
+        # (every layer in two launches; pools of different shapes through the torch twin, layer by layer)
+        (copy_page_prefixes if pools_fit(pools) else copy_page_prefixes_ref)(pools, own, theirs, partial)
     if full:  # columns from `full` on stay each sequence's own pages
         rows[:, full:] = lead.block_table[:, full:]
         torch._foreach_copy_([layer.block_table for layer in group], [rows] * len(group))

@@ -580,7 +580,7 @@ def _joining_cat(body: list[cst.CSTNode], call: cst.Call, rotary_calls: list[cst
     if len(uses) != 1 or id(uses[0]) not in cats:
         return None
     cat = cats[id(uses[0])]
-    dims = [a for a in cat.args[1:]]
+    dims = list(cat.args[1:])
     if len(dims) != 1 or dims[0].star or (dims[0].keyword is not None and dims[0].keyword.value != "dim"):
         return None
     dim = dims[0].value

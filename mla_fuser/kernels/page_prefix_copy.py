@@ -21,7 +21,7 @@ import torch
 
 from .dispatch import cdiv, lazy_jit, tl, use_triton
 
-__all__ = ["copy_page_prefixes", "copy_page_prefixes_ref"]
+__all__ = ["copy_page_prefixes", "copy_page_prefixes_ref", "pools_fit"]
 
 BLOCK = 1024  # words per program
 _TABLES: dict = {}  # (device, base addresses) -> that table on the device (pools of a sized cache never move)
@@ -81,6 +81,13 @@ def copy_page_prefixes_triton(pools: list[torch.Tensor], dst: torch.Tensor, src:
                                   BLOCK=BLOCK, num_warps=4)
 
 
+def pools_fit(pools: list[torch.Tensor]) -> bool:
+    """Whether :func:`copy_page_prefixes` takes these pools: one page shape, dtype and device, each contiguous."""
+    first = pools[0]
+    return all(p.shape[1:] == first.shape[1:] and p.dtype == first.dtype and p.device == first.device
+               and p.is_contiguous() for p in pools)
+
+
 def copy_page_prefixes(pools: list[torch.Tensor], dst: torch.Tensor, src: torch.Tensor, rows: int) -> None:
     """In every pool of ``pools`` (``[pages, page_size, width]`` tensors of one shape, dtype and device, each
     contiguous), the first ``rows`` rows of page ``src[i]`` are copied onto page ``dst[i]`` for every ``i`` (``src``,
@@ -92,8 +99,7 @@ def copy_page_prefixes(pools: list[torch.Tensor], dst: torch.Tensor, src: torch.
     if not 0 < rows <= first.shape[1] or dst.shape != src.shape or dst.dim() != 1:
         raise ValueError(f"rows={rows}, dst {tuple(dst.shape)}, src {tuple(src.shape)} do not fit pages "
                          f"{tuple(first.shape)}")
-    if any(p.shape[1:] != first.shape[1:] or p.dtype != first.dtype or p.device != first.device
-           or not p.is_contiguous() for p in pools):
+    if not pools_fit(pools):
         raise ValueError("copy_page_prefixes: the pools differ in page shape, dtype or device, or are not contiguous")
     if use_triton(first):
         copy_page_prefixes_triton(pools, dst.to(torch.int64), src.to(torch.int64), rows)
