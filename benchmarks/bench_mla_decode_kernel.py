@@ -62,6 +62,9 @@ def parse_args(argv=None):
                    help="force a tile config: BLOCK_H,BLOCK_N,num_warps,num_stages[,swap_ab 0/1[,ctas_per_sm]]")
     p.add_argument("--sweep", action="store_true", help="also time a grid of tile configs per case")
     p.add_argument("--sweep-splits", action="store_true", help="also time several split counts per case")
+    p.add_argument("--sweep-joint", action="store_true",
+                   help="with --sweep: time every swept config at several split counts too (small-shape tuning; "
+                        "adds narrower and lighter tiles for H <= 16)")
     p.add_argument("--sweep-max-configs", type=int, default=0, help="cap the configs swept per H (0: all)")
     p.add_argument("--sweep-shapes", default=None, help="comma list of BxL to sweep on (default: all shapes)")
     p.add_argument("--no-eager", action="store_true", help="skip the do_bench (eager) timing of the main rows")
@@ -102,6 +105,15 @@ def parse_args(argv=None):
             p.error("--fp8-config needs BLOCK_H,BLOCK_N,num_warps,num_stages,ctas_per_sm,v_split,shared_cvt,f16_dots")
         args.fp8_config = parts
     return args
+
+
+def small_shape_configs():
+    """Extra H <= 16 candidates for ``--sweep-joint``: narrower tiles, fewer warps and more programs per SM, for
+    shapes where each program has one or two tiles (16x1024, 1x32k) and launch and tail latency dominate."""
+    from mla_fuser.kernels.mla_decode import MLADecodeConfig as C
+
+    return [C(16, 32, 4, 2, False, 3), C(16, 32, 2, 2, False, 4), C(16, 64, 4, 1, False, 2), C(16, 32, 4, 3, False, 2),
+            C(16, 16, 2, 2, False, 4), C(16, 64, 4, 3, False, 2)]
 
 
 def sweep_configs(H):
@@ -550,18 +562,24 @@ def main(argv=None):
             )
             if args.sweep and not args.sweep_fp8_only and (not args.sweep_shapes or (B, L) in args.sweep_shapes):
                 rows = []
-                cfgs = sweep_configs(H)
+                cfgs = sweep_configs(H) + (small_shape_configs() if args.sweep_joint and H <= 16 else [])
                 if args.sweep_max_configs:
                     cfgs = cfgs[: args.sweep_max_configs]
+                split_counts = [None]
+                if args.sweep_joint:
+                    split_counts += [ns for ns in (4, 8, 16, 32, 64, 128, 256) if ns <= bt.shape[1]]
                 for cfg in cfgs:
-                    row = {"config": vars(cfg)}
-                    try:
-                        ms = timer.graph(run(cfg))
-                        row.update(metrics(B, L, H, ms, copy_gbps))
-                        row.update(kernel_info())
-                    except Exception as e:  # e.g. out of shared memory
-                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    rows.append(row)
+                    for ns in split_counts:
+                        row = {"config": vars(cfg), "forced_splits": ns}
+                        try:
+                            ms = timer.graph(run(cfg, ns if ns is not None else args.num_splits))
+                            row.update(metrics(B, L, H, ms, copy_gbps))
+                            row.update(kernel_info())
+                        except Exception as e:  # e.g. out of shared memory
+                            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                            rows.append(row)
+                            break
+                        rows.append(row)
                 ok = [r for r in rows if "ms" in r]
                 case["sweep"] = rows
                 if ok:

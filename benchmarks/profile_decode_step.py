@@ -53,7 +53,22 @@ def _router_verdicts(model) -> list:
                    for v in plan_of(m, "router").verdicts.values()})
 
 
-def profile_shape(model, batch: int, length: int, replays: int, device: str, layers: int, cache_dtype=None):
+def _union_us(events) -> float:
+    """Time at least one kernel ran (overlapping kernels of several streams counted once)."""
+    total, end = 0.0, None
+    for e in events:  # (sorted by start)
+        s, t = e.time_range.start, e.time_range.end
+        if end is None or s >= end:
+            total += t - s
+            end = t
+        elif t > end:
+            total += t - end
+            end = t
+    return total
+
+
+def profile_shape(model, batch: int, length: int, replays: int, device: str, layers: int, cache_dtype=None,
+                  trace: str | None = None):
     from torch.profiler import ProfilerActivity, profile
 
     from mla_fuser.cache import PagedLatentCache
@@ -87,6 +102,8 @@ def profile_shape(model, batch: int, length: int, replays: int, device: str, lay
                 position += 1
             if device == "cuda":
                 torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     events = _kernel_events(prof)
     row = {"batch": batch, "context": length, "replays": replays, "kernels_per_step": len(events) / replays,
            "ms_per_replay": replay_ms,
@@ -101,7 +118,7 @@ def profile_shape(model, batch: int, length: int, replays: int, device: str, lay
         by_name[e.name][1] += e.time_range.elapsed_us()
     top = sorted(by_name.items(), key=lambda kv: kv[1][1], reverse=True)
     row.update({
-        "kernel_us_per_step": busy, "span_us_per_step": span,
+        "kernel_us_per_step": busy, "span_us_per_step": span, "union_busy_us_per_step": _union_us(events) / replays,
         "by_name": [{"name": _short(k), "per_step": c / replays, "us_per_step": t / replays} for k, (c, t) in top],
     })
     # one replay's kernels, and those of a middle layer: the step is layers x (a fixed kernel run) plus head/tail
@@ -109,7 +126,8 @@ def profile_shape(model, batch: int, length: int, replays: int, device: str, lay
     first = events[per_step * (replays // 2): per_step * (replays // 2 + 1)]
     period = (len(first) - 4) // layers if layers else 0
     middle = first[len(first) // 2 - period // 2: len(first) // 2 + period // 2 + 1] if period else []
-    row["middle_layer_kernels"] = [{"name": _short(e.name), "us": e.time_range.elapsed_us()} for e in middle]
+    row["middle_layer_kernels"] = [{"name": _short(e.name), "us": e.time_range.elapsed_us(),
+                                    "start_us": e.time_range.start - middle[0].time_range.start} for e in middle]
     return row
 
 
@@ -128,6 +146,8 @@ def main():
                                                     "captured (e.g. mla_fuser.fusers.moe.shared_overlap:"
                                                     "SIDE_STREAM_AFTER_ROUTER): every shape profiled with it False, "
                                                     "then True, in this process")
+    p.add_argument("--trace", default=None, help="also write each shape's profile as a Chrome trace (kernels per "
+                                                  "stream) to TRACE.BxL.json")
     args = p.parse_args()
     if args.ab_env and args.ab_attr:
         p.error("--ab-env and --ab-attr: one A/B at a time")
@@ -152,13 +172,14 @@ def main():
         elif setting is not None:
             module, name = args.ab_attr.split(":")
             setattr(importlib.import_module(module), name, setting == "1")
-        row = profile_shape(model, batch, length, args.replays, device, layers, cache_dtype)
+        trace = f"{args.trace}.{shape}{'' if setting is None else '.' + setting}.json" if args.trace else None
+        row = profile_shape(model, batch, length, args.replays, device, layers, cache_dtype, trace)
         if setting is not None:
             row["env"] = {args.ab_env or args.ab_attr: setting}
         result["runs"].append(row)
         print(f"{shape} {row.get('env', '')}: {row.get('ms_per_replay') or 0:.3f} ms/replay, "
               f"{row['kernels_per_step']:.0f} kernels/step, rotary {row['rotary_recipes']}, router kernel {row['router_on_kernel']}, "
-              f"busy {row.get('kernel_us_per_step', 0):.0f} us, span {row.get('span_us_per_step', 0):.0f} us")
+              f"busy {row.get('kernel_us_per_step', 0):.0f} us (union {row.get('union_busy_us_per_step', 0):.0f}), span {row.get('span_us_per_step', 0):.0f} us")
         for item in row.get("by_name", [])[:25]:
             print(f"   {item['us_per_step']:8.1f} us {item['per_step']:6.1f}x  {item['name']}")
         if device == "cuda":

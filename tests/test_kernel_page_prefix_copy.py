@@ -11,25 +11,35 @@ from mla_fuser.compat import cache_keyword
 from mla_fuser.kernels.page_prefix_copy import copy_page_prefixes, copy_page_prefixes_ref
 
 pytest.importorskip("triton")
+ON_GPU = torch.cuda.is_available()
 
 
-def _pools(dtype, width, count=3, pages=6, page_size=4, seed=0):
+@pytest.fixture
+def kernel_device(monkeypatch):
+    """Where the kernel tests run: compiled on a GPU when there is one, else under Triton's interpreter."""
+    monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return "cuda" if ON_GPU else "cpu"
+
+
+def _pools(dtype, width, count=3, pages=6, page_size=4, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(pages + i, page_size, width, generator=g).mul(40).to(dtype) for i in range(count)]
+    return [torch.randn(pages + i, page_size, width, generator=g).mul(40).to(device, dtype) for i in range(count)]
 
 
 @pytest.mark.parametrize("dtype,width", [(torch.bfloat16, 10), (torch.float32, 3), (torch.uint8, 5)])
 @pytest.mark.parametrize("rows", [1, 3, 4])
-def test_kernel_equals_its_twin(interp, dtype, width, rows):
+def test_kernel_equals_its_twin(kernel_device, dtype, width, rows):
     """Rows as 4-byte words (bf16 x 10, fp32 x 3) or bytes (5 uint8: FP8 packed rows are not word-sized); sources
     that are other sequences' destinations (a cycle), one sequence continuing itself, two taking one source."""
-    pools = _pools(dtype, width)
+    pools = _pools(dtype, width, device=kernel_device)
     want = [p.clone() for p in pools]
-    dst = torch.tensor([0, 1, 2, 3, 4])
-    src = torch.tensor([1, 2, 0, 3, 1])  # 0<-1, 1<-2, 2<-0 (a cycle), 3 itself, 4<-1 (1 also a destination)
+    dst = torch.tensor([0, 1, 2, 3, 4], device=kernel_device)
+    src = torch.tensor([1, 2, 0, 3, 1], device=kernel_device)  # 0<-1, 1<-2, 2<-0 (a cycle), 3 itself, 4<-1 (1 also a destination)
     copy_page_prefixes(pools, dst, src, rows)
     copy_page_prefixes_ref(want, dst, src, rows)
-    for got, ref, before in zip(pools, want, _pools(dtype, width)):
+    for got, ref, before in zip(pools, want, _pools(dtype, width, device=kernel_device)):
         assert torch.equal(got, ref)
         assert torch.equal(got[:, rows:], before[:, rows:])  # rows past the prefix untouched
         assert torch.equal(got[0, :rows], before[1, :rows]) and torch.equal(got[2, :rows], before[0, :rows])
