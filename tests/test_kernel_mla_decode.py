@@ -282,7 +282,14 @@ def test_choose_num_splits():
         assert s == 1 or (mp * ps) // s >= 64 * md.MIN_TILES_PER_SPLIT
     assert md.choose_num_splits(64, 1, 128, 64, 64, sms, 2) == 4  # 256 programs in 264 slots
     assert md.choose_num_splits(64, 2, 128, 64, 64, sms, 1) == 1  # 128 programs: one per SM already
-    assert md.choose_num_splits(1, 1, 512, 64, 64, sms, 1) == 119  # B=1: fill the SMs
+    assert md.choose_num_splits(1, 1, 512, 64, 64, sms, 1) == 128  # B=1: fill the SMs, four tiles per split
+    # no split left empty at the longest sequence (S = 15 over 16 tiles would run 8 splits and 7 empty programs)
+    assert md.choose_num_splits(16, 1, 16, 64, 64, sms, 2) == 16
+    assert md.choose_num_splits(1, 1, 514, 64, 64, sms, 2) == 257
+    for B, mp in [(1, 512), (1, 514), (2, 300), (16, 17), (16, 16), (5, 77), (3, 1000)]:
+        s = md.choose_num_splits(B, 1, mp, 64, 64, sms, 2)
+        tiles = mp  # (64-token pages, 64-token tiles)
+        assert -(-tiles // -(-tiles // s)) == s, (B, mp, s)
     # short contexts at small batch: every tile in its own split (B=1 L=512 and B=4 L=1k measured fastest so)
     assert md.choose_num_splits(1, 1, 9, 64, 64, sms, 2) == 9
     assert md.choose_num_splits(4, 1, 16, 64, 64, sms, 2) == 16

@@ -434,17 +434,24 @@ def choose_num_splits(
     write and a share of the merge.  On the H200, H=128 measured fastest with one split at
     B*head_tiles = 128 programs (one per SM), and H=16 with ~2 programs per SM.  S is capped by the
     pages of the longest sequence the block table can hold (more splits than pages only add empty
-    programs) and by ``MIN_TILES_PER_SPLIT`` tiles per split.  Depends only on shapes, not on
-    ``seq_lens`` values: no device sync, and CUDA-graph safe.
+    programs) and by ``MIN_TILES_PER_SPLIT`` tiles per split.
+
+    Only split counts that leave no split empty at that longest sequence are candidates: the kernel gives each
+    split ``ceil(tiles / S)`` tiles, so S = 15 over 16 tiles runs 8 splits of two tiles beside 7 empty programs
+    whose partials the merge still reads.  On an H100 (``mla_decode_joint_sweep_h100.json``) that cost 21.8 against
+    20.2 us at 16x1024 (S = 15 against 16) and 29.3 against 26.6 us at 1x32k (238 against 256).  Depends only on
+    shapes, not on ``seq_lens`` values: no device sync, and CUDA-graph safe.
     """
     base = max(1, batch * head_tiles)
     slots = max(1, num_sms * max(1, ctas_per_sm))
-    max_tokens = max_pages * page_size
-    cap = max(1, min(max_pages, max_tokens // (block_n * MIN_TILES_PER_SPLIT)))
+    max_tiles = max(1, -(-max_pages * page_size // block_n))
+    cap = max(1, min(max_pages, max_pages * page_size // (block_n * MIN_TILES_PER_SPLIT)))
     if base >= 0.9 * slots or cap == 1:
         return 1
+    # S = ceil(tiles / k) for k tiles per split: every split of the longest sequence has work
+    candidates = sorted({-(-max_tiles // k) for k in range(1, max_tiles + 1)} & set(range(1, cap + 1)))
     best, best_eff = 1, -1.0
-    for s in range(1, cap + 1):
+    for s in candidates:
         progs = base * s
         eff = progs / (math.ceil(progs / slots) * slots)
         if eff >= 0.9:
