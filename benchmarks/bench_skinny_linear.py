@@ -3,7 +3,8 @@
 A graphed decode step of the DeepSeek-V2-Lite shape runs two cuBLAS GEMMs per layer on its critical path (the
 stacked q + kv down-projection and ``o_proj``) and three in the shared experts, all with 1-16 rows: each reads a
 whole weight matrix for a handful of output rows, so its floor is the weight's bytes at the GPU's read bandwidth.
-This times ``torch.nn.functional.linear`` by CUDA-graph replay (one replay runs the linear over several weight
+This times ``torch.nn.functional.linear`` (and with ``--triton`` our ``kernels.skinny_linear`` at a few tile configs,
+checked against it) by CUDA-graph replay (one replay runs the linear over several weight
 copies in turn, so the weights come from HBM, not L2) at each (rows, in, out), beside a large copy's bandwidth, to
 see which of them leave time on the table before anything replaces them.
 
@@ -31,6 +32,11 @@ SHAPES = [
 ]
 
 
+# (block_n, block_k, num_warps, num_stages) tried with --triton; the first is the kernel's default
+TRITON_CONFIGS = [(16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 4), (16, 256, 2, 4), (16, 512, 4, 4), (32, 256, 4, 4),
+                  (32, 128, 4, 4), (64, 128, 4, 4), (16, 256, 4, 6)]
+
+
 def _graph_ms(fn, replays: int) -> float:
     """Median ms of one replay of a graph holding ``fn`` once (after a warm-up on a side stream)."""
     stream = torch.cuda.Stream()
@@ -53,6 +59,30 @@ def _graph_ms(fn, replays: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _triton_rows(x, weights, outs, nbytes, bw, replays):
+    from mla_fuser.kernels.skinny_linear import SkinnyConfig, skinny_linear_triton
+
+    rows = []
+    want = torch.nn.functional.linear(x, weights[0]).double()
+    for cfg in TRITON_CONFIGS:
+        config = SkinnyConfig(*cfg)
+        row = {"config": list(cfg)}
+        try:
+            got = skinny_linear_triton(x, weights[0], None, config).double()
+            row["max_rel_diff_vs_cublas"] = ((got - want).abs().max() / want.abs().max()).item()
+
+            def run():
+                for i, w in enumerate(weights):
+                    outs[i] = skinny_linear_triton(x, w, None, config)
+
+            ms = _graph_ms(run, replays) / len(weights)
+            row.update(us=ms * 1e3, weight_GBps=nbytes / ms / 1e6, x_floor=ms * 1e3 / (nbytes / bw / 1e3))
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is recorded
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        rows.append(row)
+    return rows
+
+
 def copy_gbps(replays: int) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -66,6 +96,7 @@ def main():
     p.add_argument("--copies", type=int, default=8, help="weight copies cycled per replay (past L2)")
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--out", default="benchmarks/results/skinny_linear.json")
+    p.add_argument("--triton", action="store_true", help="also time kernels.skinny_linear at TRITON_CONFIGS")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -100,6 +131,13 @@ def main():
             result["cases"].append(case)
             print(f"{name:15s} {k:6d}->{n:6d} rows {rows:3d}: {case['us']:7.2f} us  {case['weight_GBps']:6.0f} GB/s  "
                   f"floor {case['floor_us']:6.2f} us ({case['x_floor']:.2f}x)", flush=True)
+            if args.triton and rows <= 16:
+                case["triton"] = _triton_rows(x, weights, outs, nbytes, bw, args.replays)
+                best = min((r for r in case["triton"] if "us" in r), key=lambda r: r["us"], default=None)
+                if best:
+                    print(f"{'':15s} triton best {best['config']}: {best['us']:7.2f} us ({best['x_floor']:.2f}x floor, "
+                          f"{case['us'] / best['us']:.2f}x faster than cuBLAS); default "
+                          f"{case['triton'][0].get('us', float('nan')):.2f} us", flush=True)
         del weights
         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

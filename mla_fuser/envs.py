@@ -73,6 +73,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "`0` computes a fused MoE router's logits with torch (fp32 copies of the hidden states and the gate, "
              "cuBLAS) at every size, instead of in one launch of a logits kernel (decode steps' few rows, "
              "continuous-batching and prefill steps' hundreds of 16-bit rows)"),
+    Variable("MLA_FUSER_SKINNY_LINEAR", "switch", False,
+             "`1` (experimental, not yet timed or tested on a GPU) replaces cuBLAS for the dense linears of captured (CUDA-graph) decode steps (the stacked q + kv and "
+             "gate + up projections, `o_proj`, a gated MLP's down projection) instead of a Triton GEMM that reads "
+             "their weights at up to 16 rows with more programs; off keeps cuBLAS"),
     Variable("TRITON_INTERPRET", "switch", False,
              "Triton's own flag: run Triton kernels in its interpreter (how the tests run them on CPU)"),
 )}
@@ -181,6 +185,10 @@ def fp8_act_quant() -> bool:
 
 def splitk_fixup() -> bool:
     return bool(get("MLA_FUSER_SPLITK_FIXUP"))
+
+
+def skinny_linear() -> bool:
+    return bool(get("MLA_FUSER_SKINNY_LINEAR"))
 
 
 def router_logits_kernel() -> bool:

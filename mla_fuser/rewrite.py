@@ -45,6 +45,7 @@ from .compat import ATTENTION_NAME, attention_implementation, tensor_parallel_ho
 from .graph import is_plain_linear
 from .kernels.fp8 import block_fp8_layout, block_fp8_linear
 from .kernels.fp8.format import SCALE_NAME
+from .kernels.skinny_linear import skinny_linear
 from .rotary_call import ROTARY_ATTR, RotaryCall
 
 
@@ -187,7 +188,8 @@ class StackedLinear:
             # the common inference call, decided in a few checks (it runs at every layer of an eager step): the
             # originals are still the views of the stack on the input's device, so none of ``_direct``'s cases
             # (meta, another device, DTensor; tensor-parallel hooks only matter while gradients are recorded) holds
-            return tuple(nn.functional.linear(x, weight, self.bias).split(self.sizes, dim=-1))
+            # (a captured decode step's few rows take the skinny GEMM: kernels.skinny_linear)
+            return tuple(skinny_linear(x, weight, self.bias).split(self.sizes, dim=-1))
         if torch.compiler.is_compiling() or not (is_plain_linear(first) and is_plain_linear(second)):
             return first(x), second(x)
         if first is not self.first or second is not self.second:  # replaced since stacked: drop the stale stack

@@ -1,5 +1,6 @@
 """Gated MLPs (``down(act(gate(x)) * up(x))``), recognised by what they compute: one stacked gate+up GEMM, then
-``act(gate) * up`` in one kernel (``kernels.act_mul``), then the down projection as itself.
+``act(gate) * up`` in one kernel (``kernels.act_mul``), then the down projection as itself (its
+instance forward on ``kernels.skinny_linear`` where that runs: ``fusers.linear``).
 
 Why: in a graphed decode step such an MLP (a dense layer's, or an MoE block's shared experts) is five launches of
 similar cost: gate GEMM, activation, up GEMM, product, down GEMM.  Stacking the gate and up weights makes the two
@@ -56,6 +57,7 @@ from ..plans import clear_plan, plan_of, set_plan
 from ..rewrite import StackedLinear
 from .base import (Fuser, FusionRow, NoMatch, bind_instance_forward, common_input_width, shape_key,
                    unbind_instance_forward)
+from .linear import bind_skinny_forward
 from .moe.mlp import fingerprint, mlp_spec
 
 # Below this many rows an eager CUDA call computes ``act(gate) * up`` with torch's two ops: a Triton launch costs
@@ -167,6 +169,7 @@ class GatedMLPFuser(Fuser):
             clear_plan(module, "mlp")
             row.reason = f"fused forward differs from the original: {problem}"
             return row
+        bind_skinny_forward(module.get_submodule(match.down))  # (decode-size rows on kernels.skinny_linear)
         row.status, row.reason = "fused", match.describe(stacked.weight is not None)
         return row
 

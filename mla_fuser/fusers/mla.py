@@ -53,6 +53,7 @@ from .. import graph as g
 from ..fx_ops import arg, op_name
 from ..plans import set_plan
 from .base import Fuser, FusionRow, NoMatch, common_input_width
+from .linear import bind_skinny_forward
 
 INTERFACE = "interface"
 SDPA = "scaled_dot_product_attention"
@@ -340,6 +341,7 @@ def apply_mla(module: nn.Module, match: MLAMatch, qualname: str) -> FusionRow:
         return row
     set_plan(module, "mla", plan)
     row.status = "fused"
+    bind_skinny_forward(module.get_submodule(match.o_proj))  # (decode-size rows on kernels.skinny_linear)
     q_first = stacked_query_projection(match)
     down, kv_b = _wrapped(module, q_first, match.kv_a_proj), _wrapped(module, match.kv_b_proj)
     row.reason = f"{match.num_heads} heads, latent {match.kv_lora_rank}+{match.qk_rope_head_dim}"
