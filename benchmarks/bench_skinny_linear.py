@@ -138,7 +138,7 @@ def main():
                     print(f"{'':15s} triton best {best['config']}: {best['us']:7.2f} us ({best['x_floor']:.2f}x floor, "
                           f"{case['us'] / best['us']:.2f}x faster than cuBLAS); default "
                           f"{case['triton'][0].get('us', float('nan')):.2f} us", flush=True)
-        del weights
+        weights = outs = None  # (freed before the next shape's copies are made)
         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:

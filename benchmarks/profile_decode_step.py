@@ -53,7 +53,7 @@ def _router_verdicts(model) -> list:
                    for v in plan_of(m, "router").verdicts.values()})
 
 
-def _union_us(events) -> float:
+def union_us(events) -> float:
     """Time at least one kernel ran (overlapping kernels of several streams counted once)."""
     total, end = 0.0, None
     for e in events:  # (sorted by start)
@@ -118,7 +118,7 @@ def profile_shape(model, batch: int, length: int, replays: int, device: str, lay
         by_name[e.name][1] += e.time_range.elapsed_us()
     top = sorted(by_name.items(), key=lambda kv: kv[1][1], reverse=True)
     row.update({
-        "kernel_us_per_step": busy, "span_us_per_step": span, "union_busy_us_per_step": _union_us(events) / replays,
+        "kernel_us_per_step": busy, "span_us_per_step": span, "union_busy_us_per_step": union_us(events) / replays,
         "by_name": [{"name": _short(k), "per_step": c / replays, "us_per_step": t / replays} for k, (c, t) in top],
     })
     # one replay's kernels, and those of a middle layer: the step is layers x (a fixed kernel run) plus head/tail
@@ -179,7 +179,8 @@ def main():
         result["runs"].append(row)
         print(f"{shape} {row.get('env', '')}: {row.get('ms_per_replay') or 0:.3f} ms/replay, "
               f"{row['kernels_per_step']:.0f} kernels/step, rotary {row['rotary_recipes']}, router kernel {row['router_on_kernel']}, "
-              f"busy {row.get('kernel_us_per_step', 0):.0f} us (union {row.get('union_busy_us_per_step', 0):.0f}), span {row.get('span_us_per_step', 0):.0f} us")
+              f"busy {row.get('kernel_us_per_step', 0):.0f} us (union {row.get('union_busy_us_per_step', 0):.0f}), "
+              f"span {row.get('span_us_per_step', 0):.0f} us")
         for item in row.get("by_name", [])[:25]:
             print(f"   {item['us_per_step']:8.1f} us {item['per_step']:6.1f}x  {item['name']}")
         if device == "cuda":

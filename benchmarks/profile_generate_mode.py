@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_generate_modes import SKIPPED_STEPS, build, mode_call, timed_generate  # noqa: E402
+from profile_decode_step import union_us  # noqa: E402
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
@@ -86,12 +87,7 @@ def decode_window(kernels, layers: int, keep: int = 40) -> dict:
         return {}
     window = sorted((e for e in kernels if e.time_range.start >= first), key=lambda e: e.time_range.start)
     steps = sum("mla_decode_stage1" in e.name for e in window) / layers
-    busy, end = 0.0, first
-    for e in window:
-        start, stop = max(e.time_range.start, end), e.time_range.end
-        if stop > start:
-            busy += stop - start
-            end = stop
+    busy = union_us(window)
     span = max(e.time_range.end for e in window) - first
     by_name: dict = {}
     for e in window:

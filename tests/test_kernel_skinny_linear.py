@@ -73,11 +73,11 @@ def test_operands_it_cannot_take_are_refused(kernel_device):
 
 
 def test_dispatch_takes_the_kernel_only_where_it_runs(monkeypatch):
-    monkeypatch.setenv("MLA_FUSER_SKINNY_LINEAR", "1")
     """CPU: F.linear itself unless the interpreter and the Triton backend are forced and launches are free (a graph's
     warm-up step); the switch turns it off; more rows than a tile, or autograd recording, keep F.linear."""
     from mla_fuser.kernels.dispatch import graph_warmup
 
+    monkeypatch.setenv("MLA_FUSER_SKINNY_LINEAR", "1")
     monkeypatch.setenv("MLA_FUSER_SKINNY_LINEAR", "1")
 
     launches = []

@@ -449,7 +449,7 @@ def choose_num_splits(
     if base >= 0.9 * slots or cap == 1:
         return 1
     # S = ceil(tiles / k) for k tiles per split: every split of the longest sequence has work
-    candidates = sorted({-(-max_tiles // k) for k in range(1, max_tiles + 1)} & set(range(1, cap + 1)))
+    candidates = sorted(s for s in {-(-max_tiles // k) for k in range(1, max_tiles + 1)} if s <= cap)
     best, best_eff = 1, -1.0
     for s in candidates:
         progs = base * s
