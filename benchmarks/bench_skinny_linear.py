@@ -83,6 +83,65 @@ def _triton_rows(x, weights, outs, nbytes, bw, replays):
     return rows
 
 
+# absorbed MLA's per-head products at DeepSeek-V2-Lite's shape (16 heads, nope 128, rank 512, v 128), as
+# attention_interfaces.paged runs them: (name, heads, K, N, weight contiguous along N)
+BMM_SHAPES = [("w_uk", 16, 128, 512, True), ("w_uv", 16, 512, 128, False)]
+BMM_CONFIGS = [None, (64, 128, 4, 2), (32, 128, 4, 2), (16, 128, 4, 2), (16, 256, 4, 4), (16, 512, 4, 2),
+               (128, 128, 4, 2)]
+
+
+def bmm_cases(rows_list, copies: int, bw: float, replays: int) -> list[dict]:
+    """``torch.bmm`` against ``kernels.skinny_linear.skinny_bmm_triton`` (its own tile pick first, then
+    ``BMM_CONFIGS``) by graph replay, weights cycled past L2, queries laid out as the decode path has them."""
+    from mla_fuser.kernels.skinny_linear import SkinnyConfig, skinny_bmm_triton
+
+    cases = []
+    for name, heads, k, n, n_contiguous in BMM_SHAPES:
+        if n_contiguous:  # [H, K, N] with N contiguous (W_UK is stored [H, nope, rank])
+            weights = [torch.randn(heads, k, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        else:  # a transposed view of [H, N, K] (W_UV is stored [H, v, rank] and used as its transpose)
+            weights = [torch.randn(heads, n, k, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                       for _ in range(copies)]
+        nbytes = heads * k * n * 2
+        for rows in rows_list:
+            if rows > 16:
+                continue
+            x = torch.randn(rows, heads, k, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+            want = torch.bmm(x, weights[0]).double()
+            outs = [None] * copies
+
+            def run_cublas():
+                for i, w in enumerate(weights):
+                    outs[i] = torch.bmm(x, w)
+
+            us = _graph_ms(run_cublas, replays) / copies * 1e3
+            case = {"name": name, "heads": heads, "in": k, "out": n, "rows": rows, "us": us,
+                    "floor_us": nbytes / bw / 1e3, "triton": []}
+            for cfg in BMM_CONFIGS:
+                config = None if cfg is None else SkinnyConfig(*cfg)
+                row = {"config": "default" if cfg is None else list(cfg)}
+                try:
+                    got = skinny_bmm_triton(x, weights[0], None, config).double()
+                    row["max_rel_diff_vs_cublas"] = ((got - want).abs().max() / want.abs().max()).item()
+
+                    def run():
+                        for i, w in enumerate(weights):
+                            outs[i] = skinny_bmm_triton(x, w, None, config)
+
+                    row["us"] = _graph_ms(run, replays) / copies * 1e3
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile is recorded
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                case["triton"].append(row)
+            best = min((r for r in case["triton"] if "us" in r), key=lambda r: r["us"], default={})
+            print(f"{name:15s} {heads} x {k}->{n} rows {rows:3d}: bmm {us:6.2f} us, floor {case['floor_us']:5.2f}; "
+                  f"skinny default {case['triton'][0].get('us', float('nan')):6.2f}, best {best.get('config')} "
+                  f"{best.get('us', float('nan')):6.2f} us", flush=True)
+            cases.append(case)
+        weights = outs = None
+        torch.cuda.empty_cache()
+    return cases
+
+
 def copy_gbps(replays: int) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -140,6 +199,8 @@ def main():
                           f"{case['triton'][0].get('us', float('nan')):.2f} us", flush=True)
         weights = outs = None  # (freed before the next shape's copies are made)
         torch.cuda.empty_cache()
+    if args.triton:
+        result["bmm_cases"] = bmm_cases(rows_list, args.copies, bw, args.replays)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)

@@ -75,8 +75,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "continuous-batching and prefill steps' hundreds of 16-bit rows)"),
     Variable("MLA_FUSER_SKINNY_LINEAR", "switch", False,
              "`1` (experimental, not yet timed or tested on a GPU) runs the dense linears of captured (CUDA-graph) "
-             "decode steps (the stacked q + kv and gate + up projections, `o_proj`, a gated MLP's down projection) on "
-             "a Triton GEMM that reads their weights at up to 16 rows with more programs; off keeps cuBLAS"),
+             "decode steps (the stacked q + kv and gate + up projections, `o_proj`, a gated MLP's down projection, "
+             "absorbed MLA's per-head W_UK and W_UV products) on a Triton GEMM that reads their weights at up to 16 "
+             "rows with more programs; off keeps cuBLAS"),
     Variable("TRITON_INTERPRET", "switch", False,
              "Triton's own flag: run Triton kernels in its interpreter (how the tests run them on CPU)"),
 )}

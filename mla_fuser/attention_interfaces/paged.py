@@ -30,6 +30,7 @@ from ..kernels.dispatch import on_device
 from ..kernels.latent_fp8 import is_fp8
 from ..kernels.mla_decode import mla_decode
 from ..kernels.mla_decode_fp8 import mla_decode_fp8
+from ..kernels.skinny_linear import skinny_bmm
 
 
 # at most this many new tokens per sequence go through the paged decode kernel in one step (= the absorbed path's
@@ -99,7 +100,8 @@ def absorbed_decode(query, w_uk, w_uv, b_v, m, q_dtype, attend):
         q = query.transpose(1, 2).reshape(batch * tokens, query.shape[1], query.shape[3])
     q_nope, q_pe = q.narrow(-1, 0, nope), q.narrow(-1, nope, q.shape[-1] - nope)
     # [H, B, nope] x [H, nope, rank] -> [H, B, rank]
-    q_lat = _as(torch.bmm(q_nope.transpose(0, 1), _as(w_uk, q_nope.dtype)).transpose(0, 1), q_dtype)
+    # (skinny_bmm: cuBLAS's bmm, or in a captured step with MLA_FUSER_SKINNY_LINEAR on, a kernel with more programs)
+    q_lat = _as(skinny_bmm(q_nope.transpose(0, 1), _as(w_uk, q_nope.dtype)).transpose(0, 1), q_dtype)
     with on_device(q_lat):
         out_lat = attend(q_lat, _as(q_pe, q_dtype))
     # [H, B, rank] x [H, rank, v] -> [H, B, v]
@@ -119,7 +121,7 @@ def _value_projection(lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (lat.requires_grad or w_uv_t.requires_grad)):
         return torch.bmm(lat, w_uv_t).transpose(0, 1)
     dest = lat.new_empty((lat.shape[1], lat.shape[0], w_uv_t.shape[2]))  # (bmm takes one dtype: the caller cast)
-    torch.bmm(lat, w_uv_t, out=dest.transpose(0, 1))
+    skinny_bmm(lat, w_uv_t, out=dest.transpose(0, 1))
     return dest
 
 

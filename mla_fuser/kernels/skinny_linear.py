@@ -15,7 +15,13 @@ one rounding to the output dtype, the bias added in fp32 before it (as cuBLAS's 
 ``F.linear`` up to the order of the fp32 sums (cuBLAS sums in its own order, split-K included): a rounding of the
 output dtype at most, which the tests bound.
 
-When it runs (:func:`skinny_linear`): 16-bit CUDA tensors of at most ``MAX_ROWS`` rows, weights contiguous in K, no
+Batched (:func:`skinny_bmm`, ``torch.bmm``'s twin): the same kernel with one group of programs per batch entry, for
+absorbed MLA's per-head products at decode (``q_nope @ W_UK`` and ``lat @ W_UV^T`` in ``attention_interfaces.paged``:
+16 heads of 128 x 512 at DeepSeek-V2-Lite's shape, 2 MB each, ~3.5 us in cuBLAS's batched GEMM on an H100).  Weights
+contiguous along K take the default tiles; weights contiguous along N (``W_UK`` as stored, ``[H, nope, rank]``) take
+``N_CONTIGUOUS_CONFIG``, 64 columns per program, so a tile's K rows are 128-byte runs.
+
+When it runs (:func:`skinny_linear`, and alike :func:`skinny_bmm`): 16-bit CUDA tensors of at most ``MAX_ROWS`` rows, weights contiguous in K, no
 autograd recording, outside torch.compile, while launches are free (a CUDA-graph capture and its warm-up step:
 ``dispatch.launches_are_free``; an eager call keeps cuBLAS, whose launch costs less host time than a Triton one), and
 ``MLA_FUSER_SKINNY_LINEAR`` not off.  Otherwise ``F.linear``, which is also the torch twin (``skinny_linear_ref``).
@@ -34,7 +40,8 @@ import torch.nn.functional as F
 from .. import envs
 from .dispatch import LazyJit, cdiv, launches_are_free, tl, triton_interpreting, use_triton
 
-__all__ = ["MAX_ROWS", "SkinnyConfig", "skinny_linear", "skinny_linear_ref", "skinny_linear_triton", "skinny_fits"]
+__all__ = ["MAX_ROWS", "SkinnyConfig", "skinny_bmm", "skinny_bmm_fits", "skinny_bmm_ref", "skinny_bmm_triton", "skinny_fits",
+           "skinny_linear", "skinny_linear_ref", "skinny_linear_triton"]
 
 # rows up to which the kernel runs (one MMA tile of rows: beyond it cuBLAS's own tiles start to pay)
 MAX_ROWS = 16
@@ -57,33 +64,36 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 @LazyJit
-def _skinny_linear_kernel(X, W, BIAS, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+def _skinny_linear_kernel(X, W, BIAS, Y, M, N, K, stride_xg, stride_xm, stride_wg, stride_wn, stride_wk,
+                          stride_yg, stride_ym,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+    # y[g] = x[g] @ w[g]^T for the group g = program_id(1) (one group: a linear; a head each: skinny_bmm)
+    g = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = rows < M
     n_ok = cols < N
     # weight rows past N read the last valid row (the store is masked): no mask on the streamed loads
-    x_ptr = X + rows[:, None] * stride_xm + offs_k[None, :]
-    w_ptr = W + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_ptr = X + g * stride_xg + rows[:, None] * stride_xm + offs_k[None, :]
+    w_ptr = W + g * stride_wg + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptr + k0, mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_ptr + k0)
+            w = tl.load(w_ptr + k0 * stride_wk)
         else:
             k_ok = (k0 + offs_k) < K
             x = tl.load(x_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + k0, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + k0 * stride_wk, mask=k_ok[None, :], other=0.0)
         if UPCAST:  # (the interpreter multiplies 16-bit floats wrongly: fp32 there, exact products either way)
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc=acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc=acc)
     if HAS_BIAS:
         acc += tl.load(BIAS + tl.minimum(cols, N - 1)).to(tl.float32)[None, :]
-    out = Y + rows[:, None] * stride_ym + cols[None, :]
+    out = Y + g * stride_yg + rows[:, None] * stride_ym + cols[None, :]
     tl.store(out, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -102,12 +112,12 @@ def skinny_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(m: int, n: int, k: int, config: SkinnyConfig, has_bias: bool, interpreting: bool):
+def _plan(m: int, n: int, k: int, groups: int, config: SkinnyConfig, has_bias: bool, interpreting: bool):
     block_m = max(16, 1 << (m - 1).bit_length())
     block_k = min(config.block_k, max(16, 1 << (k - 1).bit_length()))
     meta = dict(BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, HAS_BIAS=has_bias, EVEN_K=k % block_k == 0,
                 UPCAST=interpreting, num_warps=config.num_warps, num_stages=config.num_stages)
-    return (cdiv(n, config.block_n),), meta
+    return (cdiv(n, config.block_n), groups), meta
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -122,10 +132,76 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         x2 = x2.contiguous()
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid, meta = _plan(m, n, k, config or DEFAULT_CONFIG, bias is not None, triton_interpreting())
-    _skinny_linear_kernel[grid](x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0),
-                                weight.stride(0), y.stride(0), **meta)
+    grid, meta = _plan(m, n, k, 1, config or DEFAULT_CONFIG, bias is not None, triton_interpreting())
+    _skinny_linear_kernel[grid](x2, weight, weight if bias is None else bias, y, m, n, k, 0, x2.stride(0),
+                                0, weight.stride(0), 1, 0, y.stride(0), **meta)
     return y.view(*x.shape[:-1], n)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# batched: one small GEMM per head (absorbed MLA's W_UK and W_UV products)
+
+# tiles of a batched product whose weight is contiguous along N rather than K (``q_nope @ W_UK``: [nope, rank] per
+# head, rank contiguous): 64 output columns per program, so each K row of a tile is one 128-byte run
+N_CONTIGUOUS_CONFIG = SkinnyConfig(block_n=64, block_k=128, num_warps=4, num_stages=2)
+
+
+def skinny_bmm_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch twin: ``torch.bmm``."""
+    return torch.bmm(x, w) if out is None else torch.bmm(x, w, out=out)
+
+
+def skinny_bmm_fits(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+    """The operands :func:`skinny_bmm_triton` takes: ``x [G, M, K]`` (at most ``MAX_ROWS`` rows, unit stride along
+    K) and ``w [G, K, N]`` with unit stride along N or K, of one 16-bit dtype (fp32 under the interpreter) on one
+    device, and ``out`` (if given) ``[G, M, N]`` of that dtype with unit stride along N."""
+    if x.dim() != 3 or w.dim() != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[1]:
+        return False
+    g, m, k = x.shape
+    n = w.shape[2]
+    if not (0 < m <= MAX_ROWS and g > 0 and k > 0 and n > 0) or x.stride(2) != 1:
+        return False
+    if w.stride(2) != 1 and w.stride(1) != 1:
+        return False
+    dtype = x.dtype
+    if w.dtype != dtype or w.device != x.device:
+        return False
+    if dtype not in KERNEL_DTYPES and not (dtype == torch.float32 and not x.is_cuda):
+        return False
+    if out is not None and (out.shape != (g, m, n) or out.dtype != dtype or out.device != x.device
+                            or out.stride(2) != 1):
+        return False
+    return True
+
+
+def skinny_bmm_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                      config: SkinnyConfig | None = None) -> torch.Tensor:
+    """``torch.bmm(x, w)`` (into ``out``, any strides with a unit last one, when given) on the kernel, one group of
+    programs per batch entry; ``ValueError`` for operands it cannot take."""
+    if not skinny_bmm_fits(x, w, out):
+        raise ValueError(f"skinny_bmm takes [G, <= {MAX_ROWS} rows, K] x [G, K, N] of one 16-bit dtype; got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
+    g, m, k = x.shape
+    n = w.shape[2]
+    if out is None:
+        out = torch.empty((g, m, n), dtype=x.dtype, device=x.device)
+    n_contiguous = w.stride(2) == 1 and w.stride(1) != 1
+    config = config or (N_CONTIGUOUS_CONFIG if n_contiguous else DEFAULT_CONFIG)
+    grid, meta = _plan(m, n, k, g, config, False, triton_interpreting())
+    xs, ws, ys = x.stride(), w.stride(), out.stride()
+    # (w[g] as a linear's [N, K] weight: its N stride is w's last one, its K stride w's middle one)
+    _skinny_linear_kernel[grid](x, w, w, out, m, n, k, xs[0], xs[1], ws[0], ws[2], ws[1], ys[0], ys[1], **meta)
+    return out
+
+
+def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.bmm(x, w, out=out)``, on the kernel where it pays (as :func:`skinny_linear`), else ``torch.bmm``."""
+    if not torch.compiler.is_compiling() and launches_are_free() and (
+            x.is_cuda or (triton_interpreting() and use_triton(x))):
+        if (skinny_bmm_fits(x, w, out) and envs.skinny_linear() and not (
+                torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            return skinny_bmm_triton(x, w, out)
+    return skinny_bmm_ref(x, w, out)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
