@@ -142,10 +142,9 @@ def main():
     p.add_argument("--fp8-cache", action="store_true", help="a float8 latent cache")
     p.add_argument("--ab-env", default=None, help="a switch of ours (e.g. MLA_FUSER_OVERLAP_SHARED_EXPERTS): every "
                                                    "shape is profiled with it off, then on, in this process")
-    p.add_argument("--ab-attr", default=None, help="MODULE:NAME, a boolean constant of ours read when a step is "
-                                                    "captured (e.g. mla_fuser.fusers.moe.shared_overlap:"
-                                                    "SIDE_STREAM_AFTER_ROUTER): every shape profiled with it False, "
-                                                    "then True, in this process")
+    p.add_argument("--ab-attr", default=None, help="MODULE:NAME, a boolean module constant of ours read when a "
+                                                    "step is captured (an experiment's switch): every shape profiled "
+                                                    "with it False, then True, in this process")
     p.add_argument("--trace", default=None, help="also write each shape's profile as a Chrome trace (kernels per "
                                                   "stream) to TRACE.BxL.json")
     args = p.parse_args()
@@ -178,7 +177,8 @@ def main():
             row["env"] = {args.ab_env or args.ab_attr: setting}
         result["runs"].append(row)
         print(f"{shape} {row.get('env', '')}: {row.get('ms_per_replay') or 0:.3f} ms/replay, "
-              f"{row['kernels_per_step']:.0f} kernels/step, rotary {row['rotary_recipes']}, router kernel {row['router_on_kernel']}, "
+              f"{row['kernels_per_step']:.0f} kernels/step, rotary {row['rotary_recipes']}, "
+              f"router kernel {row['router_on_kernel']}, "
               f"busy {row.get('kernel_us_per_step', 0):.0f} us (union {row.get('union_busy_us_per_step', 0):.0f}), "
               f"span {row.get('span_us_per_step', 0):.0f} us")
         for item in row.get("by_name", [])[:25]:

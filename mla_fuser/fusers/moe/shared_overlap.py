@@ -14,15 +14,10 @@ is that input (same storage, a view of it included), makes a side stream wait fo
 forward hook (``always_call``: it runs when the MLP raises, too) makes the block's stream current again and has it
 wait for the side stream, so whatever the block does with the shared output (the add) comes after the shared work.
 The match accounts for every op of the block (it fails closed), and none writes the block's input in place, so the
-input the side stream reads is the one the event covers.
-
-Where the side branch forks: at the block's start, except in steps of at least ``AFTER_ROUTER_MIN_ROWS`` rows, where
-the router's child module (its forward hook) records the event again once the router's kernels are queued, so that
-the routing kernels run alone and the shared MLP runs beside the routed experts.  At one row, forking after the
-router measured slower on an H200 (2.29 against 2.35 ms per B=1 step of the FP8 V2-Lite-shaped model, 2.71 against
-2.84 in bf16, ``profile_decode_step_*_fork.json``); at 16 rows an H100 profile showed the selection kernel taking
-8.3 us beside the shared gate-up GEMM against ~3 us alone (``SIDE_STREAM_AFTER_ROUTER`` flips it for an A/B).
-Anything else (a
+input the side stream reads is the one the event covers.  (Making the side stream wait for the router instead, so
+that the router's few-row kernels run alone, measured slower on an H200: 2.29 against 2.35 ms per B=1 step of the
+FP8 V2-Lite-shaped model, 2.71 against 2.84 in bf16, ``profile_decode_step_*_fork.json``; and at 16 rows
+it gained nothing on an H100: 10.177 against 10.173 ms per replay of the 16x1024 bf16 step.)  Anything else (a
 different tensor, CPU, a compiled region, ``MLA_FUSER_OVERLAP_SHARED_EXPERTS=0``) runs as before, on one stream.
 The kernels are the same ones either way, so the results are bitwise the same.  On a machine without CUDA no hooks
 are attached (they would cost each MoE call a few microseconds for nothing: ~2.5% of the tiny preset's CPU decode).
@@ -73,10 +68,6 @@ class _CudaStreams:
 
 
 STREAMS = _CudaStreams()
-# steps of at least this many rows fork the side stream after the router rather than at the block's start (read when a
-# step is captured; benchmarks flip SIDE_STREAM_AFTER_ROUTER for an A/B)
-SIDE_STREAM_AFTER_ROUTER = True
-AFTER_ROUTER_MIN_ROWS = 8
 
 
 class SharedOverlapPlan:
@@ -85,7 +76,6 @@ class SharedOverlapPlan:
     def __init__(self, shared: tuple[str, ...]):
         self.shared = shared  # the shared experts' names that read the block's input
         self.started = None  # (storage pointer, device, event) while the block runs, else None
-        self.rows = 0  # the running block's input rows
         self.switched = None  # (block's stream, side stream, device) while a shared expert runs on the side stream
         self.overlapped_calls = 0  # shared-expert calls run on the side stream (diagnostics, tests)
         self.handles = []
@@ -108,24 +98,12 @@ def _block_starts(block: nn.Module, args) -> None:
         return
     x = args[0]
     plan.started = (x.untyped_storage().data_ptr(), x.device, STREAMS.record_event(x.device))
-    plan.rows = x.numel() // max(1, x.shape[-1]) if x.dim() else 1
 
 
 def _block_ends(block: nn.Module, args, output) -> None:
     if torch.compiler.is_compiling():
         return
     plan_of(block, "shared_overlap").started = None  # (a later call of a shared expert alone never waits on it)
-
-
-def _router_ends(router: nn.Module, args, output) -> None:
-    if torch.compiler.is_compiling():
-        return
-    plan = plan_of(router, "shared_overlap")
-    if (not SIDE_STREAM_AFTER_ROUTER or plan.started is None or plan.switched is not None
-            or plan.rows < AFTER_ROUTER_MIN_ROWS):
-        return
-    pointer, device, _ = plan.started  # (a later event on the same stream: the input is still covered)
-    plan.started = (pointer, device, STREAMS.record_event(device))
 
 
 def _shared_starts(shared: nn.Module, args) -> None:
@@ -160,20 +138,6 @@ def _shared_ends(shared: nn.Module, args, output) -> None:
         STREAMS.used_on(output, main)
 
 
-def _router_child(block: nn.Module, match: MoEMatch) -> nn.Module | None:
-    """The child module the router's linear lives in (the linear itself, or the module owning its weight), or None
-    when the block applies the router weight itself or the child is shared with another block's plan."""
-    spec = match.router
-    path = spec.linear if spec.linear_is_module else (spec.linear.rsplit(".", 1)[0] if "." in spec.linear else None)
-    if not path:
-        return None
-    try:
-        child = block.get_submodule(path)
-    except AttributeError:
-        return None
-    return child if plan_of(child, "shared_overlap") is None else None
-
-
 def cuda_present() -> bool:
     return torch.cuda.is_available()
 
@@ -190,10 +154,6 @@ def attach_shared_overlap(block: nn.Module, match: MoEMatch) -> str:
     set_plan(block, "shared_overlap", plan)
     plan.handles.append(block.register_forward_pre_hook(_block_starts))
     plan.handles.append(block.register_forward_hook(_block_ends, always_call=True))
-    router = _router_child(block, match)
-    if router is not None:
-        set_plan(router, "shared_overlap", plan)
-        plan.handles.append(router.register_forward_hook(_router_ends))
     for name in names:
         shared = block.get_submodule(name)
         set_plan(shared, "shared_overlap", plan)
