@@ -74,10 +74,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "cuBLAS) at every size, instead of in one launch of a logits kernel (decode steps' few rows, "
              "continuous-batching and prefill steps' hundreds of 16-bit rows)"),
     Variable("MLA_FUSER_SKINNY_LINEAR", "switch", False,
-             "`1` (experimental, not yet timed or tested on a GPU) runs the dense linears of captured (CUDA-graph) "
-             "decode steps (the stacked q + kv and gate + up projections, `o_proj`, a gated MLP's down projection, "
-             "absorbed MLA's per-head W_UK and W_UV products) on a Triton GEMM that reads their weights at up to 16 "
-             "rows with more programs; off keeps cuBLAS"),
+             "`1` (experimental; on an H100 no faster over a whole decode step, `kernels/skinny_linear.py`) runs "
+             "the dense linears of captured (CUDA-graph) decode steps (the stacked q + kv and gate + up projections, "
+             "`o_proj`, a gated MLP's down projection, absorbed MLA's per-head W_UK and W_UV products) on a Triton "
+             "GEMM that reads their weights at up to 16 rows with more programs; off keeps cuBLAS"),
     Variable("TRITON_INTERPRET", "switch", False,
              "Triton's own flag: run Triton kernels in its interpreter (how the tests run them on CPU)"),
 )}

@@ -21,10 +21,18 @@ absorbed MLA's per-head products at decode (``q_nope @ W_UK`` and ``lat @ W_UV^T
 contiguous along K take the default tiles; weights contiguous along N (``W_UK`` as stored, ``[H, nope, rank]``) take
 ``N_CONTIGUOUS_CONFIG``, 64 columns per program, so a tile's K rows are 128-byte runs.
 
-When it runs (:func:`skinny_linear`, and alike :func:`skinny_bmm`): 16-bit CUDA tensors of at most ``MAX_ROWS`` rows, weights contiguous in K, no
-autograd recording, outside torch.compile, while launches are free (a CUDA-graph capture and its warm-up step:
-``dispatch.launches_are_free``; an eager call keeps cuBLAS, whose launch costs less host time than a Triton one), and
-``MLA_FUSER_SKINNY_LINEAR`` not off.  Otherwise ``F.linear``, which is also the torch twin (``skinny_linear_ref``).
+Measured (H100, Triton 3.6, CUDA-graph replay; why it stays off): alone, against cuBLAS at 1 / 16 rows, the best
+config gained on q + kv (8.95 vs 9.73 us at 1 row), the shared down projection (8.6 / 9.1 vs 10.0 / 10.2) and the
+per-head products (W_UK 3.40 vs 3.79 us, W_UV 3.79 vs 3.99) but not on ``o_proj`` (7.4 / 7.7 vs 7.3 / 7.4) nor the
+gate + up and dense down projections (11.7 vs 11.5, 23.3 vs 21.2).  In the whole V2-Lite-shaped bf16 step the switch
+gained nothing: 10.29 against 10.18 ms per replay at B=16 L=1024, 2.97 against 3.01 at B=1 L=512, and ``generate``
+within the noise either way (greedy B=16 11.00 / 11.02 against 10.84 / 10.77 ms per step, beam 4 11.00 / 11.10
+against 11.01 / 10.94, B=1 3.27 / 3.32 against 3.31 / 3.31; two alternating runs each).
+
+When it runs (:func:`skinny_linear`, and alike :func:`skinny_bmm`): 16-bit CUDA tensors of at most ``MAX_ROWS`` rows,
+weights contiguous in K, no autograd recording, outside torch.compile, while launches are free (a CUDA-graph capture
+and its warm-up step: ``dispatch.launches_are_free``; an eager call keeps cuBLAS, whose launch costs less host time
+than a Triton one), and ``MLA_FUSER_SKINNY_LINEAR`` on.  Otherwise ``F.linear``, which is also the torch twin (``skinny_linear_ref``).
 Under ``TRITON_INTERPRET=1`` with ``MLA_FUSER_BACKEND=triton`` the same calls run the kernel on CPU tensors (the tests:
 inside ``dispatch.graph_warmup``, where launches count as free).
 """
@@ -40,8 +48,8 @@ import torch.nn.functional as F
 from .. import envs
 from .dispatch import LazyJit, cdiv, launches_are_free, tl, triton_interpreting, use_triton
 
-__all__ = ["MAX_ROWS", "SkinnyConfig", "skinny_bmm", "skinny_bmm_fits", "skinny_bmm_ref", "skinny_bmm_triton", "skinny_fits",
-           "skinny_linear", "skinny_linear_ref", "skinny_linear_triton"]
+__all__ = ["MAX_ROWS", "SkinnyConfig", "skinny_bmm", "skinny_bmm_fits", "skinny_bmm_ref", "skinny_bmm_triton",
+           "skinny_fits", "skinny_linear", "skinny_linear_ref", "skinny_linear_triton"]
 
 # rows up to which the kernel runs (one MMA tile of rows: beyond it cuBLAS's own tiles start to pay)
 MAX_ROWS = 16
