@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU test suite on both ends of the supported Transformers range, in one device call:
 #   the image's own Transformers (5.17, the lowest we support) and the newest 5.x carried as a wheel in .whl/.
-# Usage on the GPU machine, from the repo root, with .whl/ holding libcst (cp312) and transformers-<newest> wheels:
+# Usage on the GPU machine, from the repo root, with .whl/ holding libcst (cp312), transformers-<newest> and what that
+# release needs beyond the image (huggingface_hub, kernels, tokenizers and their own needs; the newest end's site only):
 #   bash benchmarks/gpu_tests_both_ends.sh          # results: $OUT/gpu_tests_t<version>.json and logs
 set -u
 export PYTHONUNBUFFERED=1
@@ -19,7 +20,6 @@ run_suite() {  # $1: site folder (PYTHONPATH) holding the carried wheels of this
 }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_low .whl/libcst-*.whl
 run_suite /tmp/site_low
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_new .whl/libcst-*.whl \
-  .whl/transformers-*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_new .whl/*.whl
 run_suite /tmp/site_new
 exit $status
