@@ -142,9 +142,10 @@ def main():
     p.add_argument("--fp8-cache", action="store_true", help="a float8 latent cache")
     p.add_argument("--ab-env", default=None, help="a switch of ours (e.g. MLA_FUSER_OVERLAP_SHARED_EXPERTS): every "
                                                    "shape is profiled with it off, then on, in this process")
-    p.add_argument("--ab-attr", default=None, help="MODULE:NAME, a boolean module constant of ours read when a "
-                                                    "step is captured (an experiment's switch): every shape profiled "
-                                                    "with it False, then True, in this process")
+    p.add_argument("--ab-attr", default=None, help="MODULE:NAME, a boolean module constant of ours read while a "
+                                                    "step is captured or replayed (e.g. mla_fuser.runtime.decode_graph:"
+                                                    "ONE_LAUNCH_INPUT_COPY): every shape profiled with it False, then "
+                                                    "True, in this process")
     p.add_argument("--trace", default=None, help="also write each shape's profile as a Chrome trace (kernels per "
                                                   "stream) to TRACE.BxL.json")
     args = p.parse_args()

@@ -32,9 +32,9 @@ against 11.01 / 10.94, B=1 3.27 / 3.32 against 3.31 / 3.31; two alternating runs
 When it runs (:func:`skinny_linear`, and alike :func:`skinny_bmm`): 16-bit CUDA tensors of at most ``MAX_ROWS`` rows,
 weights contiguous in K, no autograd recording, outside torch.compile, while launches are free (a CUDA-graph capture
 and its warm-up step: ``dispatch.launches_are_free``; an eager call keeps cuBLAS, whose launch costs less host time
-than a Triton one), and ``MLA_FUSER_SKINNY_LINEAR`` on.  Otherwise ``F.linear``, which is also the torch twin (``skinny_linear_ref``).
-Under ``TRITON_INTERPRET=1`` with ``MLA_FUSER_BACKEND=triton`` the same calls run the kernel on CPU tensors (the tests:
-inside ``dispatch.graph_warmup``, where launches count as free).
+than a Triton one), and ``MLA_FUSER_SKINNY_LINEAR`` on.  Otherwise ``F.linear``, which is also the torch twin
+(``skinny_linear_ref``).  Under ``TRITON_INTERPRET=1`` with ``MLA_FUSER_BACKEND=triton`` the same calls run the kernel
+on CPU tensors (the tests: inside ``dispatch.graph_warmup``, where launches count as free).
 """
 
 from __future__ import annotations
