@@ -44,6 +44,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("MLA_FUSER_REUSE_DECODE_GRAPHS", "switch", True,
              "`0` makes every graphed `generate()` call build its own static cache and capture its own decode step, "
              "instead of taking back the last call's (same batch, cache size and padding, model unchanged)"),
+    Variable("MLA_FUSER_STEP_AHEAD", "switch", True,
+             "`0` makes a graphed single-beam greedy or sampling `generate()` launch each decode step's replay when "
+             "Transformers' loop calls the forward, instead of as soon as the step's input token is chosen (on a side "
+             "stream, while the host prepares the step; `runtime/step_ahead.py`)"),
     Variable("MLA_FUSER_MOE_SMALL_BATCH_TOKENS", "int", None,
              "tokens up to which the fused MoE kernel takes its small-batch (expert-grouped) path (default 16; 4 for "
              "block-FP8 experts)"),
@@ -164,6 +168,10 @@ def cuda_graphs_enabled() -> bool:
 
 def reuse_decode_graphs() -> bool:
     return bool(get("MLA_FUSER_REUSE_DECODE_GRAPHS"))
+
+
+def step_ahead() -> bool:
+    return bool(get("MLA_FUSER_STEP_AHEAD"))
 
 
 def triton_interpreting() -> bool:

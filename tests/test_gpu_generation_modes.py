@@ -221,3 +221,45 @@ def test_an_in_place_reorder_does_not_wait_for_the_device(models):
     layer = cache.paged[0]
     assert layer.pending_tables is not None
     assert layer.host_tables == layer.block_table[:, : len(layer.home[0])].tolist()
+
+
+@torch.no_grad()
+def test_steps_launched_ahead_give_the_same_tokens_and_leave_the_cache_as_without(models, monkeypatch):
+    """Decode steps replayed from the stopping criterion on a side stream (``runtime.step_ahead``) give the tokens of
+    steps replayed when the forward asks for them, bitwise (the same graph on the same inputs), greedy and sampled;
+    a call that an end token ends takes its extra step back: the sequences and the cache it returns are those of the
+    call without steps ahead."""
+    from mla_fuser.runtime import step_ahead
+
+    _, fused = models
+    mla_fuser.release_decode_graphs(fused)
+    ids = torch.randint(3, fused.config.vocab_size, (4, 100), generator=torch.Generator().manual_seed(21)).cuda()
+    runs = {}
+    first = True  # the first call captures: its first two decode steps run before the step can be replayed ahead
+    for on in (True, False):
+        monkeypatch.setattr(step_ahead, "LAUNCH_AHEAD", on)
+        for name, kw in (("greedy", dict(do_sample=False)), ("sample", dict(do_sample=True, top_k=50))):
+            for call in range(2):  # (every call after the first replays the kept step)
+                torch.manual_seed(call)
+                runs[on, name, call] = fused.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, **kw)
+                plan = last_generate_plan(fused)
+                RESULTS[f"step_ahead_{on}_{name}_{call}"] = dict(steps=plan.steps, ahead=plan.steps_ahead,
+                                                                 taken_back=plan.taken_back, captures=plan.captures)
+                assert plan.graphed and plan.steps == NEW_TOKENS - 1 and plan.taken_back == 0
+                assert plan.steps_ahead == ((NEW_TOKENS - 1 - 2 * first) if on else 0)
+                first = False
+    for key in ((n, c) for n in ("greedy", "sample") for c in range(2)):
+        assert torch.equal(runs[(True, *key)], runs[(False, *key)]), key
+    one = ids[:1]
+    eos = int(runs[False, "greedy", 0][0, ids.shape[1] + 5])
+    ended = {}
+    for on in (True, False):
+        monkeypatch.setattr(step_ahead, "LAUNCH_AHEAD", on)
+        out = fused.generate(one, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                             return_dict_in_generate=True)
+        plan = last_generate_plan(fused)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        ended[on] = (out.sequences, cache.get_seq_length(), plan.steps_ahead, plan.taken_back)
+    assert ended[True][0].shape[1] < one.shape[1] + NEW_TOKENS
+    assert torch.equal(ended[True][0], ended[False][0]) and ended[True][1] == ended[False][1]
+    assert ended[True][2] > 0 and ended[True][3] == 1 and ended[False][2:] == (0, 0)

@@ -25,6 +25,11 @@ and attended after the real ones, which never see them, and are dropped again in
 are lowered by a pad count read from device memory, so the same graph serves every count of its bucket).  One graph
 per bucket, all over the same cache memory; a bucket is captured on its second use (the first one compiles).
 
+A single-token step may also be launched ahead of the forward that asks for it (``runtime.step_ahead``): when
+:meth:`DecodeGraph.replay_ready` says the captured step can run as it is, :meth:`DecodeGraph.launch` replays it on
+the caller's stream, and :meth:`DecodeGraph.take_back` undoes one nobody asked for (the cache one token shorter
+again).
+
 Steps take no attention mask: a left-padded batch is described to the cache once
 (``PagedLatentCache.set_left_padding``) and the decode kernel skips each row's padding; other padding is moved to
 the left after the prefill (``move_padding_left``).  A beam reorder between steps (``reorder_cache``) permutes the
@@ -298,6 +303,12 @@ class DecodeGraph:
             self._pool = None  # (the dropped graphs' pool goes with them; a capture into its handle would fail)
         if bucket.graph is None:
             self._capture(bucket)
+        self._replay(bucket, input_ids, position_ids, tokens, size)
+        return bucket.logits.clone() if size == 1 else bucket.logits[:, :tokens].clone()
+
+    def _replay(self, bucket: _Bucket, input_ids, position_ids, tokens: int, size: int) -> None:
+        """The step's inputs copied into the bucket's buffers, its graph replayed (on the current stream), the host
+        lengths advanced by the real tokens: ``bucket.logits`` holds the step's logits until the next replay."""
         if ONE_LAUNCH_INPUT_COPY:  # (host time here is time the GPU waits for in generate's loop)
             torch._foreach_copy_([bucket.ids, bucket.positions], [input_ids, position_ids], non_blocking=True)
         else:
@@ -308,4 +319,43 @@ class DecodeGraph:
         bucket.graph.replay()
         for layer in self._paged:  # what the replayed kernels did on the device
             layer.advance(tokens)
-        return bucket.logits.clone() if size == 1 else bucket.logits[:, :tokens].clone()
+
+    # ------------------------------------------------------------------ a step launched ahead (runtime.step_ahead)
+    def replay_ready(self, batch: int) -> bool:
+        """Whether a one-token step of ``batch`` sequences over paged layers only can run now exactly as the last
+        one did: (with capture) its graph captured over the cache's current memory; the same batch; room for the
+        token.  What :meth:`launch` needs; nothing is captured, compiled or checked loudly here."""
+        if self._batch != batch or not self.takes_several_tokens:
+            return False
+        if self.capture:
+            bucket = self._buckets.get(1)
+            if bucket is None or bucket.graph is None or self._current_addresses() != self._addresses:
+                return False
+        try:
+            self._check_step(batch, 1)
+        except (RuntimeError, ValueError):  # (not prefilled, another batch, a full cache: the step itself will say)
+            return False
+        return True
+
+    def launch(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """One single-token step run now, on the current stream, after :meth:`replay_ready` said it can: the captured
+        graph replayed, returning the graph's own logits buffer ``[B, vocab]`` (read it before the next step
+        runs), or without capture the eager step (fresh logits)."""
+        addresses = self._current_addresses()
+        if addresses != self._seen:
+            self._seen = addresses
+            self.layouts += 1
+        if not self.capture:
+            return self._eager(input_ids.to(self.device), position_ids.to(self.device), 1, 1)
+        bucket = self._buckets[1]
+        self._replay(bucket, input_ids, position_ids, 1, 1)
+        return bucket.logits
+
+    def take_back(self) -> None:
+        """Undo the last single-token step, which nobody will read (a step launched ahead that the next forward
+        did not ask for): every paged layer one token shorter on the device (on the current stream, ordered after
+        the step) and on the host.  The row the step wrote stays in its page, past the length, unread, and the
+        next step writes over it; a static cache's pages never move, so nothing else changes."""
+        for layer in self._paged:
+            layer.seq_lens.sub_(1)
+            layer.rewind([n - 1 for n in layer.host_lens])

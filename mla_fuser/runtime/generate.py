@@ -9,7 +9,9 @@
   a static ``PagedLatentCache`` or an empty ``DynamicCache`` the caller passes (converted, and filled at the end),
   or ``cache_implementation="static"`` / ``"dynamic"``; a forward the caller compiled runs its own compiled steps
   over a static paged cache; every other call runs eagerly, the reason kept in :func:`last_generate_plan`.
-  ``MLA_FUSER_CUDA_GRAPHS=0`` turns graphs off;
+  ``MLA_FUSER_CUDA_GRAPHS=0`` turns graphs off.  In a graphed single-beam greedy or sampling call each replayed
+  step is launched as soon as its input token is chosen, while Transformers' loop prepares the step
+  (``runtime.step_ahead``);
 * the **experts implementation**: experts the MoE fuser switched stay on the fused kernel through ``generate``'s
   decode-time swap to ``batched_mm`` (``fusers.moe.keep_fused_experts``); a user's own choice still wins.
 
@@ -36,8 +38,9 @@ from ..cache import PagedLatentCache, paged_layer_indices
 from ..compat import ATTENTION_NAME, CACHE_KWARGS, attention_implementation, cache_keyword, caller_chose_cache
 from ..fusers.moe.experts import has_switched_experts, keep_fused_experts
 from ..plans import model_state
-from . import kept_steps
+from . import kept_steps, step_ahead
 from .decode_graph import DecodeGraph
+from .step_ahead import StepAhead
 
 # Fewer new tokens than this do not repay the capture (about one eager step plus instantiation).
 GENERATE_MIN_NEW_TOKENS = 8
@@ -110,6 +113,9 @@ class GeneratePlan:
     keep_key: tuple | None = None  # the shape under which the call keeps its cache and graph (None: not kept)
     fingerprint: tuple | None = None  # kept_steps.model_fingerprint at the call's start (read once per call)
     left: tuple | None = None  # (left_padding()'s value,) once read: the mask is reduced and read on the host once
+    ahead_until: int | None = None  # the length up to which a step may be launched ahead (runtime.step_ahead)
+    steps_ahead: int = 0  # decode steps launched ahead and taken by the forward that asked for them
+    taken_back: int = 0  # steps launched ahead that nobody asked for (the call's end), taken back
 
     def left_padding(self) -> torch.Tensor | None:
         """Per row, the prompt's leading padding when ``padding`` is left padding, else None (read once per call)."""
@@ -228,7 +234,7 @@ def _graphed(model, cache, shape: "CallShape", fallback=None, **extra) -> Genera
         DecodeGraph(model, cache, capture=False)  # its checks only
     except (TypeError, ValueError) as err:
         return GeneratePlan(None if fallback is None else fallback(), reason=str(err))
-    return GeneratePlan(cache, graphed=True, padding=shape.padding, **extra)
+    return GeneratePlan(cache, graphed=True, padding=shape.padding, ahead_until=shape.ahead_until, **extra)
 
 
 def _graphed_over_own_cache(model, shape: "CallShape", fallback=None, **extra) -> GeneratePlan:
@@ -242,7 +248,7 @@ def _graphed_over_own_cache(model, shape: "CallShape", fallback=None, **extra) -
     if found is not None:
         cache, graph = found
         return GeneratePlan(cache, graphed=True, padding=shape.padding, graph=graph, keep_key=key,
-                            fingerprint=fingerprint, **extra)
+                            fingerprint=fingerprint, ahead_until=shape.ahead_until, **extra)
     size = shape.max_seq_len if key is None else kept_steps.cache_size(shape.max_seq_len)
     plan = _graphed(model, PagedLatentCache.static_for(model, shape.batch, size), shape, fallback=fallback, **extra)
     plan.keep_key, plan.fingerprint = (key, fingerprint) if plan.graphed else (None, None)
@@ -279,8 +285,9 @@ def generate_graphed(model, inner, cache, args, kwargs, padding=None, plan: Gene
     kept = False
     try:
         with GraphedForward(model, cache, move_padding=padding if starts is None else None,
-                            graph=None if plan is None else plan.graph) as graphed:
-            out = inner(*args, **kwargs)
+                            graph=None if plan is None else plan.graph,
+                            ahead_until=None if plan is None or len(args) > 3 else plan.ahead_until) as graphed:
+            out = inner(*args, **graphed.with_step_ahead(kwargs))
         if plan is not None and (plan.give_back is not None or _cache_field(out, cache) is None):  # (not the caller's)
             kept = kept_steps.keep(model, plan.keep_key, cache, graphed.graph, plan.fingerprint)
     finally:
@@ -293,6 +300,8 @@ def generate_graphed(model, inner, cache, args, kwargs, padding=None, plan: Gene
     state.graphed_steps, state.graph_captures = graphed.steps, captures
     if plan is not None:
         plan.steps, plan.captures, plan.layouts = graphed.steps, captures, layouts
+        if graphed.ahead is not None:
+            plan.steps_ahead, plan.taken_back = graphed.ahead.taken, graphed.ahead.taken_back
     return out
 
 
@@ -332,11 +341,14 @@ class GraphedForward:
     Bound to the model instance for the duration of the call (``with GraphedForward(model, cache):``); the
     output of a replayed step has the type and cache field of the model's own output, with last-token logits.
     ``move_padding`` (a ``[batch, T]`` mask): once the cache holds ``T`` tokens per sequence (after the prefill),
-    their padding is moved to the left (``PagedLatentCache.move_padding_left``), before any step reads the cache."""
+    their padding is moved to the left (``PagedLatentCache.move_padding_left``), before any step reads the cache.
+    ``ahead_until``: the call's final length when it may launch steps ahead (``runtime.step_ahead``; single-beam
+    greedy or sampling, not verification), else None."""
 
     _PASSED_THROUGH = ("labels", "output_attentions", "output_hidden_states")
 
-    def __init__(self, model, cache, move_padding: torch.Tensor | None = None, graph: DecodeGraph | None = None):
+    def __init__(self, model, cache, move_padding: torch.Tensor | None = None, graph: DecodeGraph | None = None,
+                 ahead_until: int | None = None):
         self.model = model
         self.cache = cache
         self.move_padding = move_padding
@@ -349,6 +361,8 @@ class GraphedForward:
         self.cache_field = None  # the output's cache field, read off the first eager output (_cache_field)
         self.steps = 0  # decode steps that went through the graph (the first one runs eagerly inside it)
         self._inside = False  # the graph's own eager step and capture call the model: those run the original
+        self.ahead_until = ahead_until
+        self.ahead: StepAhead | None = None  # set on entering, where steps may be launched ahead
 
     def __enter__(self):
         self.previous = self.model.__dict__.get("forward")
@@ -362,9 +376,26 @@ class GraphedForward:
             prepare = functools.partial(_prepare_step_inputs, self)
             prepare.__signature__ = inspect.signature(self._original_prepare)  # (generate checks its kwargs by it)
             self.model.prepare_inputs_for_generation = prepare
+        if (self.ahead_until is not None and step_ahead.LAUNCH_AHEAD and envs.step_ahead()
+                and self._original_prepare is not None and self.move_padding is None
+                and isinstance(self.cache, PagedLatentCache) and self.graph.takes_several_tokens
+                and (self.graph.capture or step_ahead.WITHOUT_CAPTURE)):
+            self.ahead = StepAhead(self, self.ahead_until)
         return self
 
+    def with_step_ahead(self, kwargs: dict) -> dict:
+        """``generate``'s keyword arguments with the criterion that launches steps ahead after the caller's own
+        stopping criteria (when steps are launched ahead)."""
+        if self.ahead is None:
+            return kwargs
+        from transformers import StoppingCriteriaList
+
+        return {**kwargs, "stopping_criteria": StoppingCriteriaList([*(kwargs.get("stopping_criteria") or ()),
+                                                                     self.ahead.criterion()])}
+
     def __exit__(self, *exc):
+        if self.ahead is not None:
+            self.ahead.drop()  # (a step launched after the last token: the cache reads as without it)
         if self.previous is None:
             del self.model.__dict__["forward"]
         else:
@@ -408,6 +439,12 @@ class GraphedForward:
         return first if tokens == 1 else first + torch.arange(tokens, device=first.device)
 
     def __call__(self, *args, **kwargs):
+        ahead = self.ahead
+        if ahead is not None and ahead.pending is not None and not self._inside:
+            logits = ahead.take(kwargs, self._is_decode_step(args, kwargs))
+            if logits is not None:
+                self.steps += 1
+                return self._output(logits, kwargs)
         if self._inside or not self._is_decode_step(args, kwargs):
             out = self.original(*args, **kwargs)
             mask = self.move_padding
@@ -426,6 +463,10 @@ class GraphedForward:
         finally:
             self._inside = False
         self.steps += 1
+        return self._output(logits, kwargs)
+
+    def _output(self, logits, kwargs):
+        """A replayed step's output: the model's own output type, its logits and the cache."""
         logits = logits.unsqueeze(1) if logits.dim() == 2 else logits
         keep = kwargs.get("logits_to_keep")
         if isinstance(keep, int) and 0 < keep < logits.shape[1]:
@@ -450,7 +491,8 @@ def _plain_prepare(model) -> bool:
     from transformers.generation.utils import GenerationMixin
 
     generic = getattr(GenerationMixin, "prepare_inputs_for_generation", None)
-    return (PREPARE_STEP_INPUTS and generic is not None and getattr(type(model), "prepare_inputs_for_generation", None) is generic
+    return (PREPARE_STEP_INPUTS and generic is not None
+            and getattr(type(model), "prepare_inputs_for_generation", None) is generic
             and "prepare_inputs_for_generation" not in model.__dict__
             and "next_sequence_length" in inspect.signature(generic).parameters
             and not getattr(model.config, "is_encoder_decoder", False))
@@ -507,6 +549,7 @@ class CallShape:
     padding: torch.Tensor | None = None
     reason: str = ""
     beams: int = 1
+    ahead_until: int | None = None  # the final length, where steps may be launched ahead (one beam, no verification)
 
 
 # generate arguments whose decoding strategy runs model calls a replayed step does not make
@@ -552,7 +595,8 @@ def call_shape(model, args, kwargs) -> CallShape:
     # whole step's bucket beyond the end
     verifies = setting("assistant_model") is not None or bool(setting("prompt_lookup_num_tokens"))
     room = ids.shape[1] + new_tokens + 1 + (MAX_STEP_TOKENS if verifies else 0)
-    return CallShape(ids.shape[0] * copies, room, padding, beams=beams)
+    ahead_until = None if beams > 1 or verifies else ids.shape[1] + new_tokens
+    return CallShape(ids.shape[0] * copies, room, padding, beams=beams, ahead_until=ahead_until)
 
 
 def _prompt_mask(ids, mask, pad, eos):
