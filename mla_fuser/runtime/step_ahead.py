@@ -31,7 +31,8 @@ shorter on the device and the host; the row written past the end is never read) 
 cache reads as it would have without the step.  The cost of a stop the loop decides on the device is one step of
 GPU time, once per call.  Not used where the next input is not known at that point or the cache cannot take a step
 back: beam search (the reorder comes later), assisted and prompt-lookup decoding, state (Mamba) layers, padding
-other than on the left (its positions are the caller's), a model with its own ``prepare_inputs_for_generation``;
+other than on the left (its positions are the caller's), a model with its own ``prepare_inputs_for_generation``,
+a cache split over devices;
 ``MLA_FUSER_STEP_AHEAD=0`` turns it off.
 """
 
@@ -61,6 +62,7 @@ class StepAhead:
         self.stream = torch.cuda.Stream(graph.device) if graph.capture else None
         self.enabled = True
         self.positions_checked = False
+        self.one_device = None  # whether every paged layer's cache is on the graph's device (read at the first launch)
         self.pending = None  # (the loop's input_ids, the view the step read, positions, logits) of the step ahead
         self.launched = self.taken = self.taken_back = 0
 
@@ -76,6 +78,11 @@ class StepAhead:
             return
         graph, batch = graphed.graph, input_ids.shape[0]
         if not graph.replay_ready(batch):
+            return
+        if self.one_device is None:  # (once: a model split over devices keeps its steps where the forward runs them)
+            self.one_device = all(layer.seq_lens.device == graph.device for layer in graphed.cache.paged)
+        if not self.one_device:
+            self.enabled = False
             return
         ids = input_ids[:, -1:]
         stream = self.stream
