@@ -237,6 +237,13 @@ class DecodeGraph:
         self.captures += 1
         self._addresses = self._current_addresses()
 
+    def _note_layout(self, addresses):
+        """Count a step's memory layout when it differs from the last step's (``layouts``); returns ``addresses``."""
+        if addresses != self._seen:
+            self._seen = addresses
+            self.layouts += 1
+        return addresses
+
     def _padded(self, input_ids, position_ids, size: int):
         """The step's inputs grown to ``size`` tokens: copies of the last token at the following positions."""
         extra = size - input_ids.shape[1]
@@ -277,10 +284,7 @@ class DecodeGraph:
         if self._batch is not None and self._batch != batch:
             raise ValueError(f"DecodeGraph was captured for a batch of {self._batch}, got {batch}")
         self._batch = batch
-        addresses = self._current_addresses()
-        if addresses != self._seen:
-            self._seen = addresses
-            self.layouts += 1
+        addresses = self._note_layout(self._current_addresses())
         if size > 1 and self._pad is None:
             self._pad = torch.zeros((), dtype=self._paged[0].seq_lens.dtype, device=self._paged[0].seq_lens.device)
         input_ids, position_ids = self._padded(input_ids.to(self.device), position_ids.to(self.device), size)
@@ -341,10 +345,8 @@ class DecodeGraph:
         """One single-token step run now, on the current stream, after :meth:`replay_ready` said it can: the captured
         graph replayed, returning the graph's own logits buffer ``[B, vocab]`` (read it before the next step
         runs), or without capture the eager step (fresh logits)."""
-        addresses = self._current_addresses()
-        if addresses != self._seen:
-            self._seen = addresses
-            self.layouts += 1
+        # (with capture, replay_ready has just read the addresses and found them the captured ones)
+        self._note_layout(self._addresses if self.capture else self._current_addresses())
         if not self.capture:
             return self._eager(input_ids.to(self.device), position_ids.to(self.device), 1, 1)
         bucket = self._buckets[1]

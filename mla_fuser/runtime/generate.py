@@ -283,6 +283,7 @@ def generate_graphed(model, inner, cache, args, kwargs, padding=None, plan: Gene
     if starts is not None:
         cache.set_left_padding(starts)
     kept = False
+    # (``generate``'s fourth positional argument is ``stopping_criteria``: given so, ours cannot join it)
     try:
         with GraphedForward(model, cache, move_padding=padding if starts is None else None,
                             graph=None if plan is None else plan.graph,

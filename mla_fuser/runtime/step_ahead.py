@@ -64,7 +64,7 @@ class StepAhead:
         self.positions_checked = False
         self.one_device = None  # whether every paged layer's cache is on the graph's device (read at the first launch)
         self.pending = None  # (the loop's input_ids, the view the step read, positions, logits) of the step ahead
-        self.launched = self.taken = self.taken_back = 0
+        self.taken = self.taken_back = 0
 
     def criterion(self) -> "LaunchNextStep":
         return LaunchNextStep(self)
@@ -100,7 +100,6 @@ class StepAhead:
         finally:
             graphed._inside = False
         self.pending = (input_ids, ids, positions, logits)
-        self.launched += 1
 
     def take(self, kwargs: dict, decode_step: bool) -> torch.Tensor | None:
         """The logits of the step launched ahead when the forward called with ``kwargs`` asks for exactly it (a
