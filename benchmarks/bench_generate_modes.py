@@ -11,8 +11,8 @@ Modes (DeepSeek-V2-Lite preset, bf16, CUDA; B x prompt length):
     sample_top_p    B=16 L=1024, top-p 0.9
     dynamic_cache   B=16 L=1024, a DynamicCache passed by the caller (target: <= 1.3x greedy; native's row is
                     ``greedy``'s: its default cache is a DynamicCache)
-    static_cache    B=16 L=1024, a static cache passed by the caller: fused ``PagedLatentCache.static_for``, native
-                    Transformers' ``StaticCache`` (its auto-compile off: ``disable_compile=True``, so both are the
+    static_cache    B=16 L=1024, Transformers' ``StaticCache`` passed by the caller (fused: converted to a static paged
+                    cache and filled at the end; its auto-compile off: ``disable_compile=True``, so both are the
                     forwards as they run; compiling native is another benchmark)
 
 A step's time is the median gap between consecutive calls of a logits processor (generate syncs every step on its
@@ -94,7 +94,6 @@ def mode_call(mode: str, model, fused: bool, batch: int, length: int, device):
     caches are made per call)."""
     from transformers import DynamicCache, StaticCache
 
-    from mla_fuser.cache import PagedLatentCache
     from mla_fuser.compat import cache_keyword
 
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -117,9 +116,7 @@ def mode_call(mode: str, model, fused: bool, batch: int, length: int, device):
     def cache(new_tokens):
         if mode == "dynamic_cache":
             return DynamicCache(config=model.config)
-        if mode == "static_cache":
-            if fused:
-                return PagedLatentCache.static_for(model, b, length + new_tokens + 1)
+        if mode == "static_cache":  # (the same user code for both: fused converts it and fills it at the end)
             return StaticCache(config=model.config, max_cache_len=length + new_tokens + 1)
         return None
 

@@ -164,6 +164,74 @@ def test_callers_dynamic_cache_is_converted_and_filled(pair, graphed, with_confi
     _assert_cache_like_native(cache, native_cache, mask.repeat_interleave(num_beams, 0), 9)
 
 
+@pytest.mark.parametrize("extra", [dict(num_beams=1), dict(num_beams=3), dict(do_sample=True, top_k=20)])
+def test_callers_static_cache_is_converted_and_filled(pair, graphed, extra):
+    """An empty StaticCache: the call runs graphed on a static paged cache, and the caller's cache ends holding
+    native's latent in its own fixed-size tensors (nothing past the written tokens); an output that returns a cache
+    returns the caller's."""
+    native, fused = pair
+    ids, mask = _right_padded([6, 3], seed=12)
+    cache = StaticCache(config=fused.config, max_cache_len=24)
+    native_cache = StaticCache(config=native.config, max_cache_len=24)
+    kw = {**dict(attention_mask=mask, max_new_tokens=9, do_sample=False, return_dict_in_generate=True), **extra}
+    torch.manual_seed(5)
+    out = fused.generate(ids, **{KW: cache}, **kw)
+    torch.manual_seed(5)
+    ref = native.generate(ids, **{KW: native_cache}, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    _check_graphed(fused, 9, graphed)
+    assert any(getattr(out, name, None) is cache for name in (KW, "past_key_values"))
+    rows = extra.get("num_beams", 1)
+    real = torch.cat([mask, mask.new_ones(mask.shape[0], 8)], 1).bool().repeat_interleave(rows, 0)
+    length = real.shape[1]
+    assert int(cache.get_seq_length()) == int(native_cache.get_seq_length()) == length
+    for layer, ref_layer in zip(cache.layers, native_cache.layers):
+        assert layer.keys.shape == ref_layer.keys.shape and layer.keys.shape[:3] == (2 * rows, 1, 24)
+        for mine, theirs in ((layer.keys, ref_layer.keys), (layer.values, ref_layer.values)):
+            torch.testing.assert_close(mine[:, 0, :length][real], theirs[:, 0, :length][real], atol=1e-5, rtol=1e-5)
+            assert not mine[:, :, length:].any() and not theirs[:, :, length:].any()
+
+
+def test_static_caches_that_stay_eager_say_why_and_equal_native(pair, graphed):
+    """A StaticCache too small for the call (Transformers' own error), one that already holds tokens, one allocated
+    for other rows or one with sliding-window layers runs as given."""
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    native, fused = pair
+    ids, mask = left_padded_prompts([4, 7], seed=13)
+    kw = dict(attention_mask=mask, max_new_tokens=9, do_sample=False)
+    written = ids.shape[1] + 9 - 1
+    with pytest.raises(IndexError):
+        native.generate(ids, **{KW: StaticCache(config=native.config, max_cache_len=written - 1)}, **kw)
+    with pytest.raises(IndexError):
+        fused.generate(ids, **{KW: StaticCache(config=fused.config, max_cache_len=written - 1)}, **kw)
+    assert f"max_cache_len={written - 1}" in last_generate_plan(fused).reason
+    exact = StaticCache(config=fused.config, max_cache_len=written)  # (an exact fit is converted)
+    assert torch.equal(fused.generate(ids, **{KW: exact}, **kw),
+                       native.generate(ids, **{KW: StaticCache(config=native.config, max_cache_len=written)}, **kw))
+    assert last_generate_plan(fused).graphed and int(exact.get_seq_length()) == written
+    for model in (native, fused):  # (allocated for 3 rows, then emptied: Transformers' own error for 2)
+        other_rows = StaticCache(config=model.config, max_cache_len=24)
+        with torch.no_grad():
+            model(input_ids=torch.cat([ids, ids[:1]]), **{KW: other_rows}, use_cache=True)
+        other_rows.reset()
+        with pytest.raises(RuntimeError, match="same slice shapes"):
+            model.generate(ids, **{KW: other_rows}, **kw)
+    assert "allocated for 3 rows" in last_generate_plan(fused).reason
+    sliding = StaticCache(config=fused.config, max_cache_len=24)
+    sliding.layers[0] = StaticSlidingWindowLayer(max_cache_len=24, sliding_window=20)
+    assert torch.equal(fused.generate(ids, **{KW: sliding}, **kw), native.generate(ids, **kw))
+    assert "sliding-window" in last_generate_plan(fused).reason
+    held, native_held = StaticCache(config=fused.config, max_cache_len=24), StaticCache(config=native.config,
+                                                                                     max_cache_len=24)
+    with torch.no_grad():
+        fused(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], **{KW: held}, use_cache=True)
+        native(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], **{KW: native_held}, use_cache=True)
+    out = fused.generate(ids, **{KW: held}, **kw)
+    assert torch.equal(out, native.generate(ids, **{KW: native_held}, **kw))
+    assert "already holds tokens" in last_generate_plan(fused).reason
+
+
 @pytest.mark.parametrize("where", ["argument", "generation_config"])
 @pytest.mark.parametrize("implementation", ["static", "dynamic"])
 def test_cache_implementation_graphed_equals_native(pair, graphed, where, implementation):
@@ -189,10 +257,7 @@ def test_caches_that_stay_eager_say_why_and_equal_native(pair, graphed):
     ids, mask = left_padded_prompts([4, 7], seed=10)
     kw = dict(attention_mask=mask, max_new_tokens=9, do_sample=False)
     ref = native.generate(ids, **kw)
-    cases = {
-        "growing PagedLatentCache": PagedLatentCache(fused, page_size=4),
-        "StaticCache": StaticCache(config=fused.config, max_cache_len=32),
-    }
+    cases = {"growing PagedLatentCache": PagedLatentCache(fused, page_size=4)}
     for why, cache in cases.items():
         assert torch.equal(fused.generate(ids, **{KW: cache}, **kw), ref), why
         plan = last_generate_plan(fused)

@@ -129,26 +129,32 @@ def _cases(vocab):
         # (Transformers would compile native's forward over its StaticCache on CUDA: not what is compared here)
         "cache_implementation_static": (left_ids, left_mask, dict(cache_implementation="static", disable_compile=True),
                                         None),
+        "static_cache_beam2": (right_ids, right_mask, dict(num_beams=2, disable_compile=True), "static"),
     }
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("mode", ["beam2", "beam3_right_padded", "right_padded", "inner_padded", "sample_top_p",
-                                  "dynamic_cache", "static_paged_cache_beam2", "cache_implementation_static"])
+                                  "dynamic_cache", "static_paged_cache_beam2", "cache_implementation_static",
+                                  "static_cache_beam2"])
 def test_generation_modes_graphed_capture_once_and_agree_with_native(models, mode):
-    from transformers import DynamicCache
+    from transformers import DynamicCache, StaticCache
 
     native, fused = models
     mla_fuser.release_decode_graphs(fused)  # (each mode captures its own step: nothing kept from the one before)
     ids, mask, extra, user_cache = _cases(native.config.vocab_size)[mode]
     kw = {**dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False), **extra}
+    copies = extra.get("num_beams", 1)
+    if user_cache == "static":  # (native's own StaticCache beside ours: the same latent at the end)
+        kw[cache_keyword(native)] = native_cache = StaticCache(config=native.config, max_cache_len=64 + NEW_TOKENS)
     torch.manual_seed(5)
     ref = native.generate(ids, **kw)
-    copies = extra.get("num_beams", 1)
     if user_cache == "dynamic":
         kw[cache_keyword(fused)] = cache = DynamicCache(config=fused.config)
     elif user_cache == "static_paged":
         kw[cache_keyword(fused)] = PagedLatentCache.static_for(fused, ids.shape[0] * copies, 64 + NEW_TOKENS + 1)
+    elif user_cache == "static":
+        kw[cache_keyword(fused)] = cache = StaticCache(config=fused.config, max_cache_len=64 + NEW_TOKENS)
     torch.manual_seed(5)
     out = fused.generate(ids, **kw)
     plan = last_generate_plan(fused)
@@ -156,8 +162,12 @@ def test_generation_modes_graphed_capture_once_and_agree_with_native(models, mod
                                    layouts=plan.layouts, reason=plan.reason)
     assert plan.graphed, plan.reason
     assert plan.steps == NEW_TOKENS - 1 and plan.captures == 1 and plan.layouts == 1
-    if user_cache == "dynamic":
-        assert cache.get_seq_length() == ids.shape[1] + NEW_TOKENS - 1
+    if user_cache in ("dynamic", "static"):
+        assert int(cache.get_seq_length()) == ids.shape[1] + NEW_TOKENS - 1
+    if user_cache == "static":  # (filled through its own update: its fixed-size tensors, native's shapes)
+        assert int(native_cache.get_seq_length()) == int(cache.get_seq_length())
+        assert all(a.keys.shape == b.keys.shape and a.values.shape == b.values.shape
+                   for a, b in zip(cache.layers, native_cache.layers))
     new_ref, new_out = ref[:, ids.shape[1]:], out[:, ids.shape[1]:]
     first = [(r != o).nonzero()[0].item() if (r != o).any() else r.numel() for r, o in zip(new_ref, new_out)]
     RESULTS[f"{mode}_first_divergence"] = first

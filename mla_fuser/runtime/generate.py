@@ -6,7 +6,8 @@
   over a static paged cache, or over Transformers' own cache of a Mamba model whose layers all keep fixed-size
   states) for greedy, sampling, beam search and the verification steps of assisted and prompt-lookup decoding
   (several tokens per step, graphed per bucket of token counts), unpadded or with any padding, with no cache given,
-  a static ``PagedLatentCache`` or an empty ``DynamicCache`` the caller passes (converted, and filled at the end),
+  a static ``PagedLatentCache`` or an empty ``DynamicCache`` or ``StaticCache`` the caller passes (converted, and
+  filled at the end),
   or ``cache_implementation="static"`` / ``"dynamic"``; a forward the caller compiled runs its own compiled steps
   over a static paged cache; every other call runs eagerly, the reason kept in :func:`last_generate_plan`.
   ``MLA_FUSER_CUDA_GRAPHS=0`` turns graphs off.  In a graphed single-beam greedy or sampling call each replayed
@@ -15,8 +16,8 @@
 * the **experts implementation**: experts the MoE fuser switched stay on the fused kernel through ``generate``'s
   decode-time swap to ``batched_mm`` (``fusers.moe.keep_fused_experts``); a user's own choice still wins.
 
-The class and Transformers stay untouched; a choice of the caller that we do not graph (a growing cache,
-Transformers' ``StaticCache`` object, ``use_cache=False``) is passed through as given.
+The class and Transformers stay untouched; a choice of the caller that we do not graph (a growing cache, a cache
+that already holds tokens, other cache classes, ``use_cache=False``) is passed through as given.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class GeneratePlan:
     graphed: bool = False  # decode steps go through a DecodeGraph (captured on CUDA)
     reason: str = ""  # why the decode steps run eagerly, when they do
     padding: torch.Tensor | None = None  # the prompt's mask as generate expands it, when it pads (see generate_graphed)
-    give_back: object = None  # the caller's DynamicCache: filled from ``cache`` when the call returns
+    give_back: object = None  # the caller's DynamicCache / StaticCache: filled from ``cache`` when the call returns
     overrides: dict = field(default_factory=dict)  # generate arguments we settle (cache_implementation=None)
     steps: int = 0  # decode steps that went through the DecodeGraph
     captures: int = 0  # CUDA-graph captures of those steps (0 when the call replayed a kept graph)
@@ -131,8 +132,8 @@ class GeneratePlan:
         return out
 
     def hand_back(self, out):
-        """The caller's ``DynamicCache`` gets what the call cached (in native's layout), and an output that carries
-        a cache carries the caller's."""
+        """The caller's ``DynamicCache`` or ``StaticCache`` gets what the call cached (in native's layout, through
+        its own ``update``), and an output that carries a cache carries the caller's."""
         if self.give_back is None:
             return out
         for idx, layer in enumerate(self.cache.layers):
@@ -207,9 +208,10 @@ def _plan_for_compiled_forward(model, shape: "CallShape", user, implementation) 
 
 def _plan_for_callers_cache(model, cache, shape: "CallShape") -> GeneratePlan:
     """A cache the caller passed: a static ``PagedLatentCache`` is replayed over as it is; an empty ``DynamicCache``
-    is converted (the call runs on a static paged cache, whose contents fill the caller's cache at the end);
+    or ``StaticCache`` (:func:`_static_cache_refusal`) is converted (the call runs on a static paged cache, whose
+    contents fill the caller's cache at the end);
     anything else runs as given, eagerly, with the reason."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache
 
     if isinstance(cache, PagedLatentCache):
         if not cache.static:
@@ -222,8 +224,37 @@ def _plan_for_callers_cache(model, cache, shape: "CallShape") -> GeneratePlan:
         if getattr(cache, "offloading", False) or any(type(layer) is not DynamicLayer for layer in cache.layers):
             return GeneratePlan(reason="an offloaded or sliding-window DynamicCache runs as given (eager steps)")
         return _graphed_over_own_cache(model, shape, give_back=cache)
+    if type(cache) is StaticCache:
+        refusal = _static_cache_refusal(cache, shape)
+        if refusal:
+            return GeneratePlan(reason=refusal)
+        return _graphed_over_own_cache(model, shape, give_back=cache)
     return GeneratePlan(reason=f"a {type(cache).__name__} passed by the caller runs as given (eager steps; "
                                f"Transformers may compile the forward over a compileable cache)")
+
+
+def _static_cache_refusal(cache, shape: "CallShape") -> str:
+    """Why a caller's ``StaticCache`` runs as given (eager steps, Transformers' own checks and errors), or "" when
+    the call can run on a static paged cache and fill it at the end (``GeneratePlan.hand_back``) as native's steps
+    would have: empty, full-attention layers only, room for every token the call writes and, where a layer is
+    already allocated (``early_initialization``, ``reset``), the call's rows."""
+    from transformers.cache_utils import StaticLayer
+
+    if getattr(cache, "offloading", False) or any(type(layer) is not StaticLayer for layer in cache.layers):
+        return "an offloaded or sliding-window StaticCache runs as given (eager steps)"
+    if cache.get_seq_length() > 0:
+        return "a StaticCache that already holds tokens runs as given (eager steps)"
+    if shape.verifies:
+        return "a StaticCache with assisted or prompt-lookup decoding runs as given (Transformers' own checks)"
+    written = shape.length - 1  # (the last token is never fed back)
+    for layer in cache.layers:
+        if layer.max_cache_len < written:
+            return (f"a StaticCache of max_cache_len={layer.max_cache_len} cannot hold the {written} tokens the call "
+                    f"writes: it runs as given (Transformers' own error)")
+        if layer.is_initialized and layer.keys.shape[0] != shape.batch:
+            return (f"a StaticCache allocated for {layer.keys.shape[0]} rows, the call has {shape.batch}: it runs as "
+                    f"given (eager steps)")
+    return ""
 
 
 def _graphed(model, cache, shape: "CallShape", fallback=None, **extra) -> GeneratePlan:
@@ -551,6 +582,8 @@ class CallShape:
     reason: str = ""
     beams: int = 1
     ahead_until: int | None = None  # the final length, where steps may be launched ahead (one beam, no verification)
+    length: int = 0  # the final length of each sequence (prompt and new tokens)
+    verifies: bool = False  # assisted or prompt-lookup decoding: verification steps of several tokens
 
 
 # generate arguments whose decoding strategy runs model calls a replayed step does not make
@@ -597,7 +630,8 @@ def call_shape(model, args, kwargs) -> CallShape:
     verifies = setting("assistant_model") is not None or bool(setting("prompt_lookup_num_tokens"))
     room = ids.shape[1] + new_tokens + 1 + (MAX_STEP_TOKENS if verifies else 0)
     ahead_until = None if beams > 1 or verifies else ids.shape[1] + new_tokens
-    return CallShape(ids.shape[0] * copies, room, padding, beams=beams, ahead_until=ahead_until)
+    return CallShape(ids.shape[0] * copies, room, padding, beams=beams, ahead_until=ahead_until,
+                     length=ids.shape[1] + new_tokens, verifies=verifies)
 
 
 def _prompt_mask(ids, mask, pad, eos):
