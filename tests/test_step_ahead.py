@@ -8,13 +8,15 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from mla_fuser.compat import cache_keyword
 from mla_fuser.runtime import generate as runtime_generate
 from mla_fuser.runtime import step_ahead
 from mla_fuser.runtime.decode_graph import DecodeGraph
 from mla_fuser.runtime.generate import last_generate_plan
 
-from conftest import left_padded_prompts, native_and_fused_deepseek
+from conftest import left_padded_prompts, native_and_fused_deepseek, tiny_deepseek
 
+KW = cache_keyword(tiny_deepseek(layers=1))
 NEW = 12
 
 
@@ -65,6 +67,33 @@ def test_a_step_launched_past_an_end_token_is_taken_back(pair, ahead):
     assert torch.equal(got.sequences, want.sequences) and got.sequences.shape[1] < free.shape[1]
     assert plan.steps_ahead > 0 and plan.taken_back == 1
     assert _cached_length(got) == _cached_length(want)  # the cache the caller gets reads as without the extra step
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_callers_cache_is_filled_after_the_step_launched_past_the_end_is_taken_back(pair, ahead, kind):
+    """An empty DynamicCache / StaticCache the caller passes is filled when the call returns: after the step launched
+    past an end token was taken back, so it holds what native's does, token for token."""
+    from transformers import DynamicCache, StaticCache
+
+    native, fused = pair
+    ids = _ids(batch=1, seed=3)
+    eos = int(native.generate(ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1] + 4])
+    kw = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=0)
+
+    def cache(model):
+        if kind == "dynamic":
+            return DynamicCache(config=model.config)
+        return StaticCache(config=model.config, max_cache_len=ids.shape[1] + NEW)
+
+    mine, theirs = cache(fused), cache(native)
+    got = fused.generate(ids, **{KW: mine}, **kw)
+    want = native.generate(ids, **{KW: theirs}, **kw)
+    plan = last_generate_plan(fused)
+    assert torch.equal(got, want) and plan.graphed and plan.steps_ahead > 0 and plan.taken_back == 1
+    assert int(mine.get_seq_length()) == int(theirs.get_seq_length()) == want.shape[1] - 1
+    for layer, ref in zip(mine.layers, theirs.layers):
+        torch.testing.assert_close(layer.keys, ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.values, ref.values, atol=1e-5, rtol=1e-5)
 
 
 def test_a_callers_stopping_criterion_runs_first_and_is_honoured(pair, ahead):
