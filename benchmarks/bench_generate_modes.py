@@ -11,6 +11,9 @@ Modes (DeepSeek-V2-Lite preset, bf16, CUDA; B x prompt length):
     sample_top_p    B=16 L=1024, top-p 0.9
     dynamic_cache   B=16 L=1024, a DynamicCache passed by the caller (target: <= 1.3x greedy; native's row is
                     ``greedy``'s: its default cache is a DynamicCache)
+    chat_turn       B=16 L=1024, a chat's next turn: a DynamicCache passed by the caller already holds the first
+                    L - 64 tokens of the prompt (prefilled by a forward before the call, not timed; target as
+                    dynamic_cache's)
     static_cache    B=16 L=1024, Transformers' ``StaticCache`` passed by the caller (fused: converted to a static paged
                     cache and filled at the end; its auto-compile off: ``disable_compile=True``, so both are the
                     forwards as they run; compiling native is another benchmark)
@@ -41,13 +44,14 @@ import time
 import torch
 
 # in this order (the issue's targets first), so that a run cut short by --budget-s keeps those
-MODES = ("greedy", "beam4", "right_padded", "left_padded", "dynamic_cache", "static_cache", "sample_top_p",
-         "greedy_b1", "prompt_lookup", "greedy_eager")
+MODES = ("greedy", "beam4", "right_padded", "left_padded", "dynamic_cache", "static_cache", "chat_turn",
+         "sample_top_p", "greedy_b1", "prompt_lookup", "greedy_eager")
 # steps not counted: the first (eager: kernel compiles of new variants) and the capture of a graphed call
 SKIPPED_STEPS = 3
 # modes whose native call is another mode's (not run twice)
 NATIVE_SAME_AS = {"greedy_eager": "greedy", "dynamic_cache": "greedy"}
 TARGETS = {"beam4": "<= 8 ms/step", "right_padded": "<= 1.3x left_padded", "dynamic_cache": "<= 1.3x greedy",
+           "chat_turn": "<= 1.3x greedy",
            "prompt_lookup": "ms_per_forward (one verification of up to 9 tokens) <= 2x greedy_b1 ms_per_step"}
 # prompt lookup: batch 1 (assisted decoding's limit), candidates of up to this many tokens per verification
 LOOKUP_TOKENS = 8
@@ -116,6 +120,13 @@ def mode_call(mode: str, model, fused: bool, batch: int, length: int, device):
     def cache(new_tokens):
         if mode == "dynamic_cache":
             return DynamicCache(config=model.config)
+        if mode == "chat_turn":  # (the earlier turns: every token but the last 64, held by the caller's cache)
+            cut = ids.shape[1] - min(64, ids.shape[1] // 2)
+            held = DynamicCache(config=model.config)
+            with torch.no_grad():
+                model(input_ids=ids[:, :cut], attention_mask=None if mask is None else mask[:, :cut], use_cache=True,
+                      **{cache_keyword(model): held})
+            return held
         if mode == "static_cache":  # (the same user code for both: fused converts it and fills it at the end)
             return StaticCache(config=model.config, max_cache_len=length + new_tokens + 1)
         return None

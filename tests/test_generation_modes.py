@@ -193,8 +193,8 @@ def test_callers_static_cache_is_converted_and_filled(pair, graphed, extra):
 
 
 def test_static_caches_that_stay_eager_say_why_and_equal_native(pair, graphed):
-    """A StaticCache too small for the call (Transformers' own error), one that already holds tokens, one allocated
-    for other rows or one with sliding-window layers runs as given."""
+    """A StaticCache too small for the call (Transformers' own error), one allocated for other rows or one with
+    sliding-window layers runs as given."""
     from transformers.cache_utils import StaticSlidingWindowLayer
 
     native, fused = pair
@@ -222,14 +222,83 @@ def test_static_caches_that_stay_eager_say_why_and_equal_native(pair, graphed):
     sliding.layers[0] = StaticSlidingWindowLayer(max_cache_len=24, sliding_window=20)
     assert torch.equal(fused.generate(ids, **{KW: sliding}, **kw), native.generate(ids, **kw))
     assert "sliding-window" in last_generate_plan(fused).reason
-    held, native_held = StaticCache(config=fused.config, max_cache_len=24), StaticCache(config=native.config,
-                                                                                     max_cache_len=24)
-    with torch.no_grad():
-        fused(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], **{KW: held}, use_cache=True)
-        native(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], **{KW: native_held}, use_cache=True)
-    out = fused.generate(ids, **{KW: held}, **kw)
-    assert torch.equal(out, native.generate(ids, **{KW: native_held}, **kw))
-    assert "already holds tokens" in last_generate_plan(fused).reason
+
+
+def _caller_cache(kind, model, size=40):
+    return DynamicCache(config=model.config) if kind == "dynamic" else StaticCache(config=model.config,
+                                                                                   max_cache_len=size)
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_callers_cache_holding_earlier_turns_is_converted_and_extended(pair, graphed, kind, padding):
+    """A chat's next turn: the caller's cache already holds the previous turns (filled by the previous call) and the
+    prompt is the whole conversation.  The held tokens are written into the call's static paged cache first, the
+    call runs graphed, and the cache ends extended by what the call added: tokens and latent equal native's doing the
+    same with its own cache, turn after turn (right padding leaves padding inside the second turn's sequence)."""
+    native, fused = pair
+    if padding == "right":
+        ids, mask = _right_padded([6, 3], seed=14)
+    elif padding == "left":
+        ids, mask = left_padded_prompts([6, 3], seed=14)
+    else:
+        ids, mask = left_padded_prompts([6, 6], seed=14)
+    mine, theirs = _caller_cache(kind, fused), _caller_cache(kind, native)
+    new = 8
+    fed = []  # tokens per sequence of each forward of the fused model: the prefill feeds only what is not held
+    hook = fused.model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].shape[1]),
+                                                 with_kwargs=True)
+    for turn in range(3):
+        kw = dict(attention_mask=mask, max_new_tokens=new, do_sample=False)
+        held = int(mine.get_seq_length())
+        fed.clear()
+        out = fused.generate(ids, **{KW: mine}, **kw)
+        ref = native.generate(ids, **{KW: theirs}, **kw)
+        assert torch.equal(out, ref), f"turn {turn}"
+        plan = last_generate_plan(fused)
+        assert plan.graphed and plan.held == held and plan.steps == new - 1, (turn, plan.reason)
+        assert fed[0] == ids.shape[1] - held
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], new)], 1)
+        _assert_cache_like_native(_written(mine), _written(theirs), mask[:, :-1], 1)
+        reply = torch.randint(3, 100, (ids.shape[0], 3), generator=torch.Generator().manual_seed(turn))
+        ids, mask = torch.cat([out, reply], 1), torch.cat([mask, mask.new_ones(mask.shape[0], 3)], 1)
+    hook.remove()
+
+
+def _written(cache):
+    """``cache`` as a DynamicCache of its written tokens (a StaticCache's tensors are longer)."""
+    if type(cache) is DynamicCache:
+        return cache
+    length = int(cache.get_seq_length())
+    out = DynamicCache()
+    for idx, layer in enumerate(cache.layers):
+        out.update(layer.keys[:, :, :length], layer.values[:, :, :length], idx)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_callers_cache_holding_tokens_stays_eager_with_beams_or_verification(pair, graphed, kind):
+    """Beams or verification steps over a cache that holds tokens run as given: Transformers' own result, or its own
+    error (it does not expand a filled cache for beams)."""
+    native, fused = pair
+    ids = left_padded_prompts([6, 6], seed=15)[0]
+    cases = [(dict(num_beams=2), "for a call of 4 rows"), (dict(prompt_lookup_num_tokens=3), "prompt-lookup")]
+    for extra, why in cases:
+        batch = ids[:1] if "prompt_lookup_num_tokens" in extra else ids  # (Transformers assists one row only)
+        mine, theirs = _caller_cache(kind, fused), _caller_cache(kind, native)
+        with torch.no_grad():
+            fused(input_ids=batch[:, :-2], **{KW: mine}, use_cache=True)
+            native(input_ids=batch[:, :-2], **{KW: theirs}, use_cache=True)
+        kw = dict(max_new_tokens=8, do_sample=False, **extra)
+        try:
+            ref = native.generate(batch, **{KW: theirs}, **kw)
+        except Exception as err:  # noqa: BLE001 - whatever Transformers raises, the fused call raises too
+            with pytest.raises(type(err)):
+                fused.generate(batch, **{KW: mine}, **kw)
+        else:
+            assert torch.equal(fused.generate(batch, **{KW: mine}, **kw), ref)
+        plan = last_generate_plan(fused)
+        assert not plan.graphed and why in plan.reason, plan.reason
 
 
 @pytest.mark.parametrize("where", ["argument", "generation_config"])
@@ -262,14 +331,6 @@ def test_caches_that_stay_eager_say_why_and_equal_native(pair, graphed):
         assert torch.equal(fused.generate(ids, **{KW: cache}, **kw), ref), why
         plan = last_generate_plan(fused)
         assert not plan.graphed and why in plan.reason and plan.cache is None
-    # a DynamicCache that already holds the prompt (a continuation) runs as given
-    cache, native_cache = DynamicCache(config=fused.config), DynamicCache(config=native.config)
-    with torch.no_grad():
-        fused(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], **{KW: cache}, use_cache=True)
-        native(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], **{KW: native_cache}, use_cache=True)
-    out = fused.generate(ids, **{KW: cache}, **kw)
-    assert torch.equal(out, native.generate(ids, **{KW: native_cache}, **kw))
-    assert "already holds tokens" in last_generate_plan(fused).reason
     for extra, why in [(dict(use_cache=False), "use_cache=False"), (dict(max_new_tokens=3), "new tokens"),
                        (dict(output_hidden_states=True, return_dict_in_generate=True), "hidden states")]:
         fused.generate(ids, **{**kw, **extra})

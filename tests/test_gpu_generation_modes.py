@@ -179,6 +179,44 @@ def test_generation_modes_graphed_capture_once_and_agree_with_native(models, mod
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_callers_cache_holding_a_previous_turn_runs_graphed_and_agrees_with_native(models, kind):
+    """A chat's next turn: the caller's DynamicCache / StaticCache holds the conversation's first tokens (prefilled
+    alike into native's and ours); the call writes them into its static paged cache, prefills only the rest, replays
+    its steps and extends the caller's cache: tokens agree with native's over its own cache up to bf16 near-ties."""
+    from transformers import DynamicCache, StaticCache
+
+    native, fused = models
+    mla_fuser.release_decode_graphs(fused)
+    ids, mask = (t.cuda() for t in left_padded_prompts([40, 64], native.config.vocab_size, seed=4))
+    held, keyword = 48, cache_keyword(fused)
+
+    def cache(model):
+        if kind == "dynamic":
+            return DynamicCache(config=model.config)
+        return StaticCache(config=model.config, max_cache_len=64 + NEW_TOKENS)
+
+    mine, theirs = cache(fused), cache(native)
+    fused(input_ids=ids[:, :held], attention_mask=mask[:, :held], **{keyword: mine}, use_cache=True)
+    native(input_ids=ids[:, :held], attention_mask=mask[:, :held], **{keyword: theirs}, use_cache=True)
+    kw = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+              disable_compile=True)
+    ref = native.generate(ids, **{keyword: theirs}, **kw)
+    out = fused.generate(ids, **{keyword: mine}, **kw)
+    plan = last_generate_plan(fused)
+    RESULTS[f"held_{kind}_cache_plan"] = dict(graphed=plan.graphed, held=plan.held, steps=plan.steps,
+                                              captures=plan.captures, reason=plan.reason)
+    assert plan.graphed and plan.held == held and plan.steps == NEW_TOKENS - 1 and plan.captures == 1, plan.reason
+    assert int(mine.get_seq_length()) == int(theirs.get_seq_length()) == ids.shape[1] + NEW_TOKENS - 1
+    new_ref, new_out = ref[:, ids.shape[1]:], out[:, ids.shape[1]:]
+    first = [(r != o).nonzero()[0].item() if (r != o).any() else r.numel() for r, o in zip(new_ref, new_out)]
+    RESULTS[f"held_{kind}_cache_first_divergence"] = first
+    gaps = divergence_gaps(native, out, mask, ids.shape[1], first, new_ref)
+    RESULTS[f"held_{kind}_cache_divergence_logit_gaps"] = gaps
+    assert max(gaps, default=0.0) < TOLERANCE, f"fused and native split on a clear preference: {gaps}"
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("padded", [False, True])
 def test_the_next_call_of_the_same_shape_replays_the_kept_step(models, padded):
     """A second call of the same shape replays the step the first one captured from its first decode step (no eager

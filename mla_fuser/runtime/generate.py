@@ -6,8 +6,8 @@
   over a static paged cache, or over Transformers' own cache of a Mamba model whose layers all keep fixed-size
   states) for greedy, sampling, beam search and the verification steps of assisted and prompt-lookup decoding
   (several tokens per step, graphed per bucket of token counts), unpadded or with any padding, with no cache given,
-  a static ``PagedLatentCache`` or an empty ``DynamicCache`` or ``StaticCache`` the caller passes (converted, and
-  filled at the end),
+  a static ``PagedLatentCache``, a ``DynamicCache`` or ``StaticCache`` the caller passes (converted: the tokens it
+  holds written in first, what the call adds appended at the end; ``callers_cache``),
   or ``cache_implementation="static"`` / ``"dynamic"``; a forward the caller compiled runs its own compiled steps
   over a static paged cache; every other call runs eagerly, the reason kept in :func:`last_generate_plan`.
   ``MLA_FUSER_CUDA_GRAPHS=0`` turns graphs off.  In a graphed single-beam greedy or sampling call each replayed
@@ -16,8 +16,8 @@
 * the **experts implementation**: experts the MoE fuser switched stay on the fused kernel through ``generate``'s
   decode-time swap to ``batched_mm`` (``fusers.moe.keep_fused_experts``); a user's own choice still wins.
 
-The class and Transformers stay untouched; a choice of the caller that we do not graph (a growing cache, a cache
-that already holds tokens, other cache classes, ``use_cache=False``) is passed through as given.
+The class and Transformers stay untouched; a choice of the caller that we do not graph (a growing cache, other
+cache classes, ``use_cache=False``, see ``callers_cache.refusal``) is passed through as given.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from ..cache import PagedLatentCache, paged_layer_indices
 from ..compat import ATTENTION_NAME, CACHE_KWARGS, attention_implementation, cache_keyword, caller_chose_cache
 from ..fusers.moe.experts import has_switched_experts, keep_fused_experts
 from ..plans import model_state
-from . import kept_steps, step_ahead
+from . import callers_cache, kept_steps, step_ahead
 from .decode_graph import DecodeGraph
 from .step_ahead import StepAhead
 
@@ -80,6 +80,7 @@ def extend_generate(model) -> list[str]:
             kwargs = plan.arguments(kwargs, keyword)
             if not plan.graphed:
                 return inner(*args, **kwargs)
+            plan.take_in()
             out = generate_graphed(self, inner, plan.cache, args, kwargs, padding=plan.padding, plan=plan)
             return plan.hand_back(out)
 
@@ -106,6 +107,7 @@ class GeneratePlan:
     reason: str = ""  # why the decode steps run eagerly, when they do
     padding: torch.Tensor | None = None  # the prompt's mask as generate expands it, when it pads (see generate_graphed)
     give_back: object = None  # the caller's DynamicCache / StaticCache: filled from ``cache`` when the call returns
+    held: int = 0  # tokens ``give_back`` held when the call began (written into ``cache`` first: ``take_in``)
     overrides: dict = field(default_factory=dict)  # generate arguments we settle (cache_implementation=None)
     steps: int = 0  # decode steps that went through the DecodeGraph
     captures: int = 0  # CUDA-graph captures of those steps (0 when the call replayed a kept graph)
@@ -131,15 +133,17 @@ class GeneratePlan:
         out[keyword] = self.cache
         return out
 
+    def take_in(self) -> None:
+        """The tokens the caller's cache holds written into the call's cache, before the call (``callers_cache``)."""
+        if self.give_back is not None and self.held:
+            callers_cache.take_in(self.give_back, self.cache, self.held)
+
     def hand_back(self, out):
-        """The caller's ``DynamicCache`` or ``StaticCache`` gets what the call cached (in native's layout, through
-        its own ``update``), and an output that carries a cache carries the caller's."""
+        """The caller's ``DynamicCache`` or ``StaticCache`` gets what the call added (in native's layout, through its
+        own ``update``), and an output that carries a cache carries the caller's."""
         if self.give_back is None:
             return out
-        for idx, layer in enumerate(self.cache.layers):
-            keys, values = layer.keys, layer.values
-            if keys is not None:
-                self.give_back.update(keys, values, idx)
+        callers_cache.fill(self.give_back, self.cache, self.held)
         for name in getattr(type(out), "__dataclass_fields__", ()):
             if getattr(out, name, None) is self.cache:
                 setattr(out, name, self.give_back)
@@ -207,54 +211,18 @@ def _plan_for_compiled_forward(model, shape: "CallShape", user, implementation) 
 
 
 def _plan_for_callers_cache(model, cache, shape: "CallShape") -> GeneratePlan:
-    """A cache the caller passed: a static ``PagedLatentCache`` is replayed over as it is; an empty ``DynamicCache``
-    or ``StaticCache`` (:func:`_static_cache_refusal`) is converted (the call runs on a static paged cache, whose
-    contents fill the caller's cache at the end);
-    anything else runs as given, eagerly, with the reason."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache
-
+    """A cache the caller passed: a static ``PagedLatentCache`` is replayed over as it is; a ``DynamicCache`` or
+    ``StaticCache`` that ``callers_cache`` converts runs on a static paged cache (the tokens it holds written in
+    first, what the call adds appended to it at the end); anything else runs as given, eagerly, with the reason."""
     if isinstance(cache, PagedLatentCache):
         if not cache.static:
             return GeneratePlan(reason="a growing PagedLatentCache moves its memory; pass static=True "
                                        "(PagedLatentCache.static_for) to replay decode steps")
         return _graphed(model, cache, shape)
-    if type(cache) is DynamicCache:
-        if cache.get_seq_length() > 0:
-            return GeneratePlan(reason="a DynamicCache that already holds tokens runs as given (eager steps)")
-        if getattr(cache, "offloading", False) or any(type(layer) is not DynamicLayer for layer in cache.layers):
-            return GeneratePlan(reason="an offloaded or sliding-window DynamicCache runs as given (eager steps)")
-        return _graphed_over_own_cache(model, shape, give_back=cache)
-    if type(cache) is StaticCache:
-        refusal = _static_cache_refusal(cache, shape)
-        if refusal:
-            return GeneratePlan(reason=refusal)
-        return _graphed_over_own_cache(model, shape, give_back=cache)
-    return GeneratePlan(reason=f"a {type(cache).__name__} passed by the caller runs as given (eager steps; "
-                               f"Transformers may compile the forward over a compileable cache)")
-
-
-def _static_cache_refusal(cache, shape: "CallShape") -> str:
-    """Why a caller's ``StaticCache`` runs as given (eager steps, Transformers' own checks and errors), or "" when
-    the call can run on a static paged cache and fill it at the end (``GeneratePlan.hand_back``) as native's steps
-    would have: empty, full-attention layers only, room for every token the call writes and, where a layer is
-    already allocated (``early_initialization``, ``reset``), the call's rows."""
-    from transformers.cache_utils import StaticLayer
-
-    if getattr(cache, "offloading", False) or any(type(layer) is not StaticLayer for layer in cache.layers):
-        return "an offloaded or sliding-window StaticCache runs as given (eager steps)"
-    if cache.get_seq_length() > 0:
-        return "a StaticCache that already holds tokens runs as given (eager steps)"
-    if shape.verifies:
-        return "a StaticCache with assisted or prompt-lookup decoding runs as given (Transformers' own checks)"
-    written = shape.length - 1  # (the last token is never fed back)
-    for layer in cache.layers:
-        if layer.max_cache_len < written:
-            return (f"a StaticCache of max_cache_len={layer.max_cache_len} cannot hold the {written} tokens the call "
-                    f"writes: it runs as given (Transformers' own error)")
-        if layer.is_initialized and layer.keys.shape[0] != shape.batch:
-            return (f"a StaticCache allocated for {layer.keys.shape[0]} rows, the call has {shape.batch}: it runs as "
-                    f"given (eager steps)")
-    return ""
+    why = callers_cache.refusal(cache, shape)
+    if why:
+        return GeneratePlan(reason=why)
+    return _graphed_over_own_cache(model, shape, give_back=cache, held=callers_cache.held_tokens(cache))
 
 
 def _graphed(model, cache, shape: "CallShape", fallback=None, **extra) -> GeneratePlan:
@@ -582,6 +550,7 @@ class CallShape:
     reason: str = ""
     beams: int = 1
     ahead_until: int | None = None  # the final length, where steps may be launched ahead (one beam, no verification)
+    prompt: int = 0  # the prompt's length (tokens a caller's cache holds included)
     length: int = 0  # the final length of each sequence (prompt and new tokens)
     verifies: bool = False  # assisted or prompt-lookup decoding: verification steps of several tokens
 
@@ -631,7 +600,7 @@ def call_shape(model, args, kwargs) -> CallShape:
     room = ids.shape[1] + new_tokens + 1 + (MAX_STEP_TOKENS if verifies else 0)
     ahead_until = None if beams > 1 or verifies else ids.shape[1] + new_tokens
     return CallShape(ids.shape[0] * copies, room, padding, beams=beams, ahead_until=ahead_until,
-                     length=ids.shape[1] + new_tokens, verifies=verifies)
+                     prompt=ids.shape[1], length=ids.shape[1] + new_tokens, verifies=verifies)
 
 
 def _prompt_mask(ids, mask, pad, eos):
