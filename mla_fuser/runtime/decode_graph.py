@@ -130,9 +130,20 @@ class DecodeGraph:
         self.layouts = 0
         self._addresses = self._seen = None
         self._batch = None
+        self._stream = None  # the side stream of this step's warm-ups, captures and steps launched ahead (side_stream)
         self._check_layers()
         self._paged = [layer for layer in self.cache.layers if isinstance(layer, PagedLatentLayer)]
         self._other = [layer for layer in self.cache.layers if not isinstance(layer, PagedLatentLayer)]
+
+    def side_stream(self) -> torch.cuda.Stream:
+        """The one CUDA stream this step's warm-ups, captures and steps launched ahead (``runtime.step_ahead``) run
+        on, drawn once: PyTorch hands out its pooled streams in turn, so a stream drawn per call would be a different
+        one each time (after 32 draws one that another part of the model holds, such as the shared experts' side
+        stream), and libraries that set up per-stream state at a warm-up would meet a stream they never saw while
+        capturing."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
 
     # ------------------------------------------------------------------ checks
     def _check_layers(self):
@@ -222,7 +233,7 @@ class DecodeGraph:
         the host state the captured Python advanced (paged host lengths) is put back."""
         saved = [layer.lengths for layer in self._paged]
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(self.device)
+        stream = self.side_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -295,7 +306,7 @@ class DecodeGraph:
             # a bucket's first step runs eagerly (on a side stream, as capture will): it compiles every Triton kernel
             # variant and initialises library workspaces, none of which may happen while capturing
             self._buckets[size] = _Bucket(torch.zeros_like(input_ids), torch.zeros_like(position_ids, dtype=torch.long))
-            stream = torch.cuda.Stream(self.device)
+            stream = self.side_stream()
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream), graph_warmup():
                 logits = self._eager(input_ids, position_ids, tokens, size)

@@ -59,7 +59,7 @@ class StepAhead:
         self.graphed = graphed
         self.stop_length = stop_length
         graph = graphed.graph
-        self.stream = torch.cuda.Stream(graph.device) if graph.capture else None
+        self.stream = graph.side_stream() if graph.capture else None
         self.enabled = True
         self.positions_checked = False
         self.one_device = None  # whether every paged layer's cache is on the graph's device (read at the first launch)
