@@ -175,3 +175,29 @@ def test_take_back_shortens_every_paged_layer_on_the_device_and_the_host(pair, a
     graph.take_back()
     for layer, (device, host) in zip(cache.paged, before):
         assert torch.equal(layer.seq_lens, device - 1) and layer.host_lens == [n - 1 for n in host]
+
+
+def test_a_finished_call_leaves_no_cycle_holding_its_forward(pair, ahead, monkeypatch):
+    """The call's forward and its step-ahead state hold each other while the call runs; at its end the cycle is
+    broken, so they (and a graph only they hold) are freed at once, never by a collection that could run inside a
+    later capture (where freeing CUDA objects invalidates it)."""
+    import gc
+    import weakref
+
+    _, fused = pair
+    forwards = []
+    original = step_ahead.StepAhead.__init__
+
+    def spy(self, graphed, stop_length):
+        forwards.append(weakref.ref(graphed))
+        original(self, graphed, stop_length)
+
+    monkeypatch.setattr(step_ahead.StepAhead, "__init__", spy)
+    gc.collect()
+    gc.disable()
+    try:
+        fused.generate(_ids(), max_new_tokens=NEW, do_sample=False)
+        assert len(forwards) == 1 and last_generate_plan(fused).steps_ahead > 0
+        assert forwards[0]() is None, "the call's forward outlived it (held by a reference cycle)"
+    finally:
+        gc.enable()

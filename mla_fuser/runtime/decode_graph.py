@@ -40,6 +40,7 @@ and prefill (run it eagerly before the first step).
 
 from __future__ import annotations
 
+import gc
 
 import torch
 
@@ -230,7 +231,21 @@ class DecodeGraph:
 
     def _capture(self, bucket: _Bucket):
         """Capture one step on the bucket's static buffers.  Capturing runs no kernel, so device state is untouched;
-        the host state the captured Python advanced (paged host lengths) is put back."""
+        the host state the captured Python advanced (paged host lengths) is put back.
+
+        Python's cyclic garbage collector is off while capturing: a collection run by the forward's allocations
+        would free whatever unreachable cycles hold at that moment, and freeing CUDA objects (another call's graph,
+        an event) is a CUDA call the capture does not permit; PyTorch only warns of its error, and the capture,
+        invalidated, fails at its next launch.  The cycles are collected later, outside the capture."""
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_now(bucket)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _capture_now(self, bucket: _Bucket):
         saved = [layer.lengths for layer in self._paged]
         graph = torch.cuda.CUDAGraph()
         stream = self.side_stream()

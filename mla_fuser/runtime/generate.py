@@ -395,7 +395,7 @@ class GraphedForward:
 
     def __exit__(self, *exc):
         if self.ahead is not None:
-            self.ahead.drop()  # (a step launched after the last token: the cache reads as without it)
+            self.ahead.close()  # (a step launched after the last token: the cache reads as without it)
         if self.previous is None:
             del self.model.__dict__["forward"]
         else:

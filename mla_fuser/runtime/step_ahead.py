@@ -133,6 +133,14 @@ class StepAhead:
             self._wait()
             self._take_back()
 
+    def close(self) -> None:
+        """At the call's end: :meth:`drop`, then let go of the call's forward (it holds this object: without the
+        cycle, the forward and its graph are freed as soon as the call is done with them, not by a later collection
+        that might run inside another capture)."""
+        self.drop()
+        self.enabled = False
+        self.graphed = None
+
     def _wait(self) -> None:
         if self.stream is not None:
             torch.cuda.current_stream(self.graphed.graph.device).wait_stream(self.stream)
