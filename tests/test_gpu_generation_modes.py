@@ -311,3 +311,40 @@ def test_steps_launched_ahead_give_the_same_tokens_and_leave_the_cache_as_withou
     assert ended[True][0].shape[1] < one.shape[1] + NEW_TOKENS
     assert torch.equal(ended[True][0], ended[False][0]) and ended[True][1] == ended[False][1]
     assert ended[True][2] > 0 and ended[True][3] == 1 and ended[False][2:] == (0, 0)
+
+
+@torch.no_grad()
+def test_a_capture_is_not_invalidated_by_another_thread_waiting_for_the_device(models):
+    """Another thread that keeps waiting for the device (what a second ``generate``'s stop check does) while a step
+    is captured leaves the capture valid (captures are thread-local), and the tokens are those of a call alone."""
+    import threading
+
+    _, fused = models
+    ids = torch.randint(3, fused.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(22)).cuda()
+    kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    mla_fuser.release_decode_graphs(fused)
+    alone = fused.generate(ids, **kw)
+    stop, waits, errors = threading.Event(), [0], []
+
+    def wait_for_the_device():
+        x = torch.ones(1, device="cuda")
+        try:
+            while not stop.is_set():
+                (x * 2).item()
+                waits[0] += 1
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    other = threading.Thread(target=wait_for_the_device, daemon=True)
+    mla_fuser.release_decode_graphs(fused)  # (the next call captures again, with the other thread running)
+    other.start()
+    try:
+        beside = fused.generate(ids, **kw)
+    finally:
+        stop.set()
+        other.join(timeout=60)
+    plan = last_generate_plan(fused)
+    RESULTS["capture_beside_a_waiting_thread"] = dict(captures=plan.captures, waits=waits[0], errors=len(errors))
+    assert not errors, errors
+    assert plan.graphed and plan.captures == 1 and waits[0] > 0
+    assert torch.equal(beside, alone)

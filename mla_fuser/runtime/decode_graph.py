@@ -236,7 +236,10 @@ class DecodeGraph:
         Python's cyclic garbage collector is off while capturing: a collection run by the forward's allocations
         would free whatever unreachable cycles hold at that moment, and freeing CUDA objects (another call's graph,
         an event) is a CUDA call the capture does not permit; PyTorch only warns of its error, and the capture,
-        invalidated, fails at its next launch.  The cycles are collected later, outside the capture."""
+        invalidated, fails at its next launch.  The cycles are collected later, outside the capture.  For the same
+        reason the capture is thread-local: another thread that waits for the device meanwhile (a second
+        ``generate``'s stop check on its own stream) does not invalidate it; this thread's calls are checked as
+        always."""
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -253,7 +256,8 @@ class DecodeGraph:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:
-            with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=self._pool, stream=stream,
+                                                             capture_error_mode="thread_local"):
                 bucket.logits = self._forward(bucket.ids, bucket.positions)
         finally:
             for layer, lens in zip(self._paged, saved):
