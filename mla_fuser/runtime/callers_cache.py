@@ -50,8 +50,8 @@ def refusal(cache, shape) -> str:
     if shape.verifies:
         return f"a {name} that already holds tokens, with assisted or prompt-lookup decoding, runs as given"
     if shape.beams > 1 or shape.batch != _rows(cache):
-        return (f"a {name} holding tokens of {_rows(cache)} rows, for a call of {shape.batch} rows (beams or several "
-                f"returned sequences), runs as given (eager steps)")
+        return (f"a {name} holding tokens of {_rows(cache)} rows, for a call of {shape.batch} rows (prompts times "
+                f"beams or returned sequences), runs as given (eager steps)")
     if any(int(layer.get_seq_length()) != held for layer in cache.layers):
         return f"a {name} whose layers hold different numbers of tokens runs as given (eager steps)"
     if shape.prompt <= held:
