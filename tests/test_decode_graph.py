@@ -421,3 +421,30 @@ def test_a_layer_whose_lengths_differ_from_the_first_is_checked_on_its_own():
         step._check_step(2)
     last.rewind(saved)
     step._check_step(2)
+
+
+def test_the_collector_is_off_while_a_step_is_captured_and_as_it_was_after(monkeypatch):
+    """A collection inside a capture would free unreachable CUDA objects there (invalidating it): the collector is
+    off while ``_capture`` runs, and afterwards as it was, when the capture raises too."""
+    import gc
+
+    seen = []
+
+    def capture_now(self, bucket):
+        seen.append(gc.isenabled())
+        if bucket == "fail":
+            raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(DecodeGraph, "_capture_now", capture_now)
+    graph = DecodeGraph.__new__(DecodeGraph)  # (only _capture's own work: no model needed)
+    assert gc.isenabled()
+    graph._capture(None)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        graph._capture("fail")
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        graph._capture(None)
+        assert not gc.isenabled()  # (a caller that had it off keeps it off)
+    finally:
+        gc.enable()
