@@ -43,7 +43,7 @@ def trial(name, make_payload):
         with torch.cuda.graph(g2):
             z = x + 1
             gc.collect()  # the collector runs inside the capture
-            w = z * 3
+            z * 3  # (a second kernel after the collection)
         g2.replay()
         torch.cuda.synchronize()
         print(f"{name}: capture ok", flush=True)
