@@ -201,3 +201,26 @@ def test_a_finished_call_leaves_no_cycle_holding_its_forward(pair, ahead, monkey
         assert forwards[0]() is None, "the call's forward outlived it (held by a reference cycle)"
     finally:
         gc.enable()
+
+
+def test_a_chat_turn_over_a_callers_cache_launches_steps_ahead_and_equals_native(pair, ahead):
+    """The second turn over the caller's DynamicCache (its first turn held: written into the call's cache first) runs
+    its steps ahead like any graphed call, and the cache it extends holds native's latent."""
+    from transformers import DynamicCache
+
+    native, fused = pair
+    ids = _ids(seed=5)
+    mine, theirs = DynamicCache(config=fused.config), DynamicCache(config=native.config)
+    kw = dict(max_new_tokens=NEW, do_sample=False)
+    for turn in range(2):
+        held = int(mine.get_seq_length())
+        got = fused.generate(ids, **{KW: mine}, **kw)
+        want = native.generate(ids, **{KW: theirs}, **kw)
+        plan = last_generate_plan(fused)
+        assert torch.equal(got, want) and plan.graphed and plan.steps_ahead > 0, turn
+        assert plan.held == held and held == (0 if turn == 0 else ids.shape[1] - 4)  # (turn 0's tokens but its last)
+        ids = torch.cat([got, _ids(length=3, seed=6 + turn)], 1)
+    assert int(mine.get_seq_length()) == int(theirs.get_seq_length())
+    for layer, ref in zip(mine.layers, theirs.layers):
+        torch.testing.assert_close(layer.keys, ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.values, ref.values, atol=1e-5, rtol=1e-5)
