@@ -84,6 +84,16 @@ def native_and_fused_deepseek():
     return native, fused
 
 
+def callers_cache(kind, model, max_cache_len):
+    """An empty cache of Transformers' own that a caller would pass to ``generate``: ``"dynamic"`` a DynamicCache,
+    ``"static"`` a StaticCache of ``max_cache_len`` tokens."""
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
 def left_padded_prompts(lengths, vocab=128, seed=0):
     """Random prompts of the given lengths, left-padded with 0 to the longest, and their attention mask."""
     gen = torch.Generator().manual_seed(seed)

@@ -17,7 +17,7 @@ from mla_fuser.compat import cache_keyword
 from mla_fuser.runtime import generate as runtime_generate
 from mla_fuser.runtime.generate import last_generate_plan
 
-from conftest import left_padded_prompts, native_and_fused_deepseek, tiny_deepseek
+from conftest import callers_cache, left_padded_prompts, native_and_fused_deepseek, tiny_deepseek
 
 KW = cache_keyword(tiny_deepseek(layers=1))  # ``cache`` (5.2x) or ``past_key_values``
 
@@ -224,11 +224,6 @@ def test_static_caches_that_stay_eager_say_why_and_equal_native(pair, graphed):
     assert "sliding-window" in last_generate_plan(fused).reason
 
 
-def _caller_cache(kind, model, size=40):
-    return DynamicCache(config=model.config) if kind == "dynamic" else StaticCache(config=model.config,
-                                                                                   max_cache_len=size)
-
-
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
 def test_a_callers_cache_holding_earlier_turns_is_converted_and_extended(pair, graphed, kind, padding):
@@ -243,7 +238,7 @@ def test_a_callers_cache_holding_earlier_turns_is_converted_and_extended(pair, g
         ids, mask = left_padded_prompts([6, 3], seed=14)
     else:
         ids, mask = left_padded_prompts([6, 6], seed=14)
-    mine, theirs = _caller_cache(kind, fused), _caller_cache(kind, native)
+    mine, theirs = callers_cache(kind, fused, 40), callers_cache(kind, native, 40)
     new = 8
     fed = []  # tokens per sequence of each forward of the fused model: the prefill feeds only what is not held
     hook = fused.model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].shape[1]),
@@ -285,7 +280,7 @@ def test_a_callers_cache_holding_tokens_stays_eager_with_beams_or_verification(p
     cases = [(dict(num_beams=2), "for a call of 4 rows"), (dict(prompt_lookup_num_tokens=3), "prompt-lookup")]
     for extra, why in cases:
         batch = ids[:1] if "prompt_lookup_num_tokens" in extra else ids  # (Transformers assists one row only)
-        mine, theirs = _caller_cache(kind, fused), _caller_cache(kind, native)
+        mine, theirs = callers_cache(kind, fused, 40), callers_cache(kind, native, 40)
         with torch.no_grad():
             fused(input_ids=batch[:, :-2], **{KW: mine}, use_cache=True)
             native(input_ids=batch[:, :-2], **{KW: theirs}, use_cache=True)

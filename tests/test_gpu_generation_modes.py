@@ -27,7 +27,7 @@ from mla_fuser.kernels.dispatch import graph_warmup  # noqa: E402
 from mla_fuser.presets import preset_config  # noqa: E402
 from mla_fuser.runtime.generate import last_generate_plan  # noqa: E402
 
-from conftest import divergence_gaps, left_padded_prompts  # noqa: E402
+from conftest import callers_cache, divergence_gaps, left_padded_prompts  # noqa: E402
 
 RESULTS = {}
 NEW_TOKENS = 24
@@ -184,19 +184,11 @@ def test_a_callers_cache_holding_a_previous_turn_runs_graphed_and_agrees_with_na
     """A chat's next turn: the caller's DynamicCache / StaticCache holds the conversation's first tokens (prefilled
     alike into native's and ours); the call writes them into its static paged cache, prefills only the rest, replays
     its steps and extends the caller's cache: tokens agree with native's over its own cache up to bf16 near-ties."""
-    from transformers import DynamicCache, StaticCache
-
     native, fused = models
     mla_fuser.release_decode_graphs(fused)
     ids, mask = (t.cuda() for t in left_padded_prompts([40, 64], native.config.vocab_size, seed=4))
     held, keyword = 48, cache_keyword(fused)
-
-    def cache(model):
-        if kind == "dynamic":
-            return DynamicCache(config=model.config)
-        return StaticCache(config=model.config, max_cache_len=64 + NEW_TOKENS)
-
-    mine, theirs = cache(fused), cache(native)
+    mine, theirs = (callers_cache(kind, model, 64 + NEW_TOKENS) for model in (fused, native))
     fused(input_ids=ids[:, :held], attention_mask=mask[:, :held], **{keyword: mine}, use_cache=True)
     native(input_ids=ids[:, :held], attention_mask=mask[:, :held], **{keyword: theirs}, use_cache=True)
     kw = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,

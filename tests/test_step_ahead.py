@@ -14,7 +14,7 @@ from mla_fuser.runtime import step_ahead
 from mla_fuser.runtime.decode_graph import DecodeGraph
 from mla_fuser.runtime.generate import last_generate_plan
 
-from conftest import left_padded_prompts, native_and_fused_deepseek, tiny_deepseek
+from conftest import callers_cache, left_padded_prompts, native_and_fused_deepseek, tiny_deepseek
 
 KW = cache_keyword(tiny_deepseek(layers=1))
 NEW = 12
@@ -73,19 +73,11 @@ def test_a_step_launched_past_an_end_token_is_taken_back(pair, ahead):
 def test_a_callers_cache_is_filled_after_the_step_launched_past_the_end_is_taken_back(pair, ahead, kind):
     """An empty DynamicCache / StaticCache the caller passes is filled when the call returns: after the step launched
     past an end token was taken back, so it holds what native's does, token for token."""
-    from transformers import DynamicCache, StaticCache
-
     native, fused = pair
     ids = _ids(batch=1, seed=3)
     eos = int(native.generate(ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1] + 4])
     kw = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=0)
-
-    def cache(model):
-        if kind == "dynamic":
-            return DynamicCache(config=model.config)
-        return StaticCache(config=model.config, max_cache_len=ids.shape[1] + NEW)
-
-    mine, theirs = cache(fused), cache(native)
+    mine, theirs = (callers_cache(kind, model, ids.shape[1] + NEW) for model in (fused, native))
     got = fused.generate(ids, **{KW: mine}, **kw)
     want = native.generate(ids, **{KW: theirs}, **kw)
     plan = last_generate_plan(fused)
