@@ -28,9 +28,12 @@ def probe(model, batch: int, prompt: int, replays: int, device) -> dict:
 
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
-    cache = PagedLatentCache.static_for(model, batch, prompt + 8)
     with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache}).logits[:, -1]
+        prefills = []
+        for _ in range(5):  # (the eager prefill on a fresh cache each time: its last logits and the latent it wrote)
+            cache = PagedLatentCache.static_for(model, batch, prompt + 8)
+            logits = model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache}).logits[:, -1]
+            prefills.append(logits.float())
         token = logits.argmax(-1, keepdim=True)
         position = torch.full_like(token, prompt)
         step = DecodeGraph(model, cache)
@@ -50,7 +53,9 @@ def probe(model, batch: int, prompt: int, replays: int, device) -> dict:
                 runs["side stream"].append(out.float())
                 step.take_back()
     first = runs["caller's stream"][0]
-    report = {"captures": step.captures}
+    report = {"captures": step.captures, "prefill": {
+        "runs": len(prefills), "bitwise_equal_to_first": sum(bool(torch.equal(o, prefills[0])) for o in prefills),
+        "max_abs_diff": max(float((o - prefills[0]).abs().max()) for o in prefills)}}
     for name, outs in runs.items():
         report[name] = {
             "replays": len(outs),

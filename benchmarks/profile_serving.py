@@ -27,6 +27,7 @@ def main(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--requests", type=int, default=192)
     p.add_argument("--output-range", type=int, nargs=2, default=[32, 96])
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per engine step (engine default 8192)")
     p.add_argument("--out", default="profile_serving.txt")
     args = p.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -36,7 +37,8 @@ def main(argv=None):
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
     prof = torch.profiler.profile(activities=activities)
-    summary = run_cb(model, prompts, outputs, 0.8, warmup=(prompts, outputs), timed_context=lambda: prof)
+    summary = run_cb(model, prompts, outputs, 0.8, warmup=(prompts, outputs), timed_context=lambda: prof,
+                     max_batch_tokens=args.max_batch_tokens)
     table = prof.key_averages()
     with open(args.out, "w") as fh:
         fh.write(f"{summary}\n\n")
