@@ -155,3 +155,21 @@ def divergence_gaps(native, fused_out, mask, prompt_len, first, native_tokens, *
         gap = scores[native_tokens[row, t]] - scores[forced[row, t]]
         gaps.append(max(0.0, (gap / scores.abs().max()).item()))
     return gaps
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    """The device path on CPU tensors, with the host-bounded path made unreachable (a host read would fail)."""
+    from mla_fuser.attention_interfaces import ragged
+
+    def host_read(cu):
+        raise AssertionError("the device path read bounds on the host")
+
+    calls = []
+    joined, in_pages = ragged.ragged_mla_attention_on_device, ragged.ragged_mla_attention_in_pages
+    monkeypatch.setattr(ragged, "DEVICE_PATH_ON_CPU", True)
+    monkeypatch.setattr(ragged, "host_bounds", host_read)
+    monkeypatch.setattr(ragged, "ragged_mla_attention_on_device", lambda *a: calls.append("joined") or joined(*a))
+    monkeypatch.setattr(ragged, "ragged_mla_attention_in_pages", lambda *a: calls.append("pages") or in_pages(*a))
+    yield calls
+    assert calls, "no step took the device path"

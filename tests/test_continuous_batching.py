@@ -286,24 +286,6 @@ def test_decode_tokens_through_the_triton_decode_kernel(monkeypatch):
 
 # ---- the device path (no host read; what a GPU runs and the engine captures in CUDA graphs) --------------------------
 
-@pytest.fixture
-def device_path(monkeypatch):
-    """The device path on CPU tensors, with the host-bounded path made unreachable (a host read would fail)."""
-    from mla_fuser.attention_interfaces import ragged
-
-    def host_read(cu):
-        raise AssertionError("the device path read bounds on the host")
-
-    calls = []
-    joined, in_pages = ragged.ragged_mla_attention_on_device, ragged.ragged_mla_attention_in_pages
-    monkeypatch.setattr(ragged, "DEVICE_PATH_ON_CPU", True)
-    monkeypatch.setattr(ragged, "host_bounds", host_read)
-    monkeypatch.setattr(ragged, "ragged_mla_attention_on_device", lambda *a: calls.append("joined") or joined(*a))
-    monkeypatch.setattr(ragged, "ragged_mla_attention_in_pages", lambda *a: calls.append("pages") or in_pages(*a))
-    yield calls
-    assert calls, "no step took the device path"
-
-
 @needs_cb
 @pytest.mark.parametrize("arch,q_lora_rank,rank,path", [
     ("deepseek_v2", 24, 16, "joined"),  # latent halves of 8 + 2: rows joined by the gather, then mla_decode

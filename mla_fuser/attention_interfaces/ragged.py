@@ -27,6 +27,7 @@ import torch
 
 _STEP_MEMO: dict = {}  # what every layer of one step shares, computed once per step (see ``_memo``)
 _DEVICE_STEP: list = [None, None]  # (key, per-token bounds) of the latest device step (see ``token_bounds``)
+_DEVICE_PAGES: list = [None, None]  # (key, per-token page bases) of the latest device step (``token_page_bases``)
 
 
 def _memo(key, make):
@@ -195,27 +196,56 @@ def token_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int) -> tuple[t
     Every layer of a step asks the same question: the answer is kept for the latest step, keyed by the bounds
     tensors' storage and version (the engine rewrites them in place between steps) and by whether a CUDA graph is
     being captured (a capture must record the computation, not reuse what an eager warm-up left)."""
+    def make():
+        _, r, valid = _token_requests(cu_q, tokens)
+        t = torch.arange(tokens, device=cu_q.device, dtype=torch.int32)
+        q_start, q_end, k_start, k_end = cu_q[r], cu_q[r + 1], cu_k[r], cu_k[r + 1]
+        ends = k_end - (q_end - q_start) + (t - q_start) + 1  # the context's end, less the request's later queries
+        starts = torch.where(valid, k_start, 0).to(torch.int32)
+        ends = torch.where(valid, torch.maximum(ends, k_start + 1), 1).to(torch.int32)
+        return starts, ends
+
+    return _latest_step(_DEVICE_STEP, cu_q, cu_k, (tokens,), make)
+
+
+def token_page_bases(cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int, page: int) -> torch.Tensor:
+    """int32 ``[tokens]``: where query token ``t``'s request's pages begin in a list of every request's pages in
+    request order, ``ceil(context / page)`` each (what ``LatentPagedAttentionCache`` hands the attention instead of
+    a slot per row); 0 for tokens past the last request.  Computed on the device, kept for the latest step as
+    :func:`token_bounds` is."""
+    def make():
+        _, r, valid = _token_requests(cu_q, tokens)
+        pages = (cu_k[1:] - cu_k[:-1] + page - 1) // page
+        first = torch.cumsum(pages, 0) - pages
+        return torch.where(valid, first[r], 0).to(torch.int32)
+
+    return _latest_step(_DEVICE_PAGES, cu_q, cu_k, (tokens, page), make)
+
+
+def _token_requests(cu_q: torch.Tensor, tokens: int):
+    """``(requests, r, valid)``: each query token's request (clamped into range) and whether it has one."""
+    requests = cu_q.shape[0] - 1
+    t = torch.arange(tokens, device=cu_q.device, dtype=torch.int32)
+    r = torch.searchsorted(cu_q[1:].contiguous(), t, right=True, out_int32=True)
+    valid = r < requests
+    return requests, r.clamp(max=max(requests - 1, 0)).long(), valid
+
+
+def _latest_step(store: list, cu_q: torch.Tensor, cu_k: torch.Tensor, extra: tuple, make):
+    """``make()`` once per step for ``store`` (a ``[key, value]`` pair), see :func:`token_bounds`."""
     capturing = cu_q.is_cuda and torch.cuda.is_current_stream_capturing()
     # keyed by the tensors the bounds are views of, held by the memo (an id or an address is only unique while
     # its object lives), their versions (bumped by every in-place write) and the shapes
     q_base = cu_q if cu_q._base is None else cu_q._base
     k_base = cu_k if cu_k._base is None else cu_k._base
-    key = (cu_q.data_ptr(), cu_q._version, cu_q.shape[0], cu_k.data_ptr(), cu_k._version, cu_k.shape[0], tokens,
+    key = (cu_q.data_ptr(), cu_q._version, cu_q.shape[0], cu_k.data_ptr(), cu_k._version, cu_k.shape[0], extra,
            capturing)
-    held = _DEVICE_STEP[0]
+    held = store[0]
     if held is not None and held[0] is q_base and held[1] is k_base and held[2] == key:
-        return _DEVICE_STEP[1]
-    requests = cu_q.shape[0] - 1
-    t = torch.arange(tokens, device=cu_q.device, dtype=torch.int32)
-    r = torch.searchsorted(cu_q[1:].contiguous(), t, right=True, out_int32=True)
-    valid = r < requests
-    r = r.clamp(max=max(requests - 1, 0)).long()
-    q_start, q_end, k_start, k_end = cu_q[r], cu_q[r + 1], cu_k[r], cu_k[r + 1]
-    ends = k_end - (q_end - q_start) + (t - q_start) + 1  # the context's end, less the request's later queries
-    starts = torch.where(valid, k_start, 0).to(torch.int32)
-    ends = torch.where(valid, torch.maximum(ends, k_start + 1), 1).to(torch.int32)
-    _DEVICE_STEP[:] = [(q_base, k_base, key), (starts, ends)]
-    return starts, ends
+        return store[1]
+    value = make()
+    store[:] = [(q_base, k_base, key), value]
+    return value
 
 
 # Rows per page of the view the decode kernel reads (a captured step's row count is a multiple of it; other counts
@@ -259,21 +289,30 @@ def ragged_mla_attention_on_device(decode, query, kv_c, k_pe, cu_q: torch.Tensor
 
 
 PAGES_ROWS_ATTR = "_mla_fuser_pages_rows"  # set on the kv_c a continuous-batching cache update returns
+# set in a step's keyword arguments by that update when the read index lists a slot per page of this many rows
+PAGE_READS_KWARG = "mla_fuser_read_index_pages"
 
 
 class PagesRows(NamedTuple):
     """Where a step's context rows lie in the engine's pages: K / V half rows ``[slots, half]`` of one layer, the slot
-    of each context position, and ``read()`` -> ``(kv_c, k_pe)`` of every context joined (for the host path)."""
+    of each context position — or, with ``page > 0``, the slot of the first row of each of a context's pages of
+    ``page`` rows, every request's pages in order (``kernels.mla_decode_split``'s slots of whole pages) — and
+    ``read()`` -> ``(kv_c, k_pe)`` of every context joined (for the host path)."""
 
     k_rows: torch.Tensor
     v_rows: torch.Tensor
     slots: torch.Tensor
     read: Callable
+    page: int = 0
 
 
-def ragged_mla_attention_in_pages(decode_rows, query, cu_q: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
+def ragged_mla_attention_in_pages(decode_rows, query, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                                  page: int = 0) -> torch.Tensor:
     """``[1, Tq, H, v]`` with no host read and no copy of the contexts: ``decode_rows(queries [Tq, H, 1, qk], ends,
-    starts)`` runs every query token over the latent rows of its own request where the engine's pages hold them
-    (``kernels.mla_decode_split``; the slot of each context position comes with ``decode_rows``)."""
-    starts, ends = token_bounds(cu_q, cu_k, query.shape[2])
-    return decode_rows(query[0].transpose(0, 1).unsqueeze(2), ends, starts).transpose(0, 1)
+    starts, page_bases)`` runs every query token over the latent rows of its own request where the engine's pages
+    hold them (``kernels.mla_decode_split``; the slots come with ``decode_rows``; ``page_bases`` is None unless they
+    are slots of whole pages of ``page`` rows: :func:`token_page_bases`)."""
+    tokens = query.shape[2]
+    starts, ends = token_bounds(cu_q, cu_k, tokens)
+    bases = token_page_bases(cu_q, cu_k, tokens, page) if page else None
+    return decode_rows(query[0].transpose(0, 1).unsqueeze(2), ends, starts, bases).transpose(0, 1)

@@ -379,14 +379,16 @@ def _ragged(module, query, kv_c, k_pe, scaling, dropout, softcap, extra, kwargs,
     if rows is not None and not device_path:
         kv_c, k_pe = rows.read()
     read_index = kwargs.get("read_index")
+    by_page = kwargs.get(ragged.PAGE_READS_KWARG, 0)  # (the read index lists pages: only tagged rows can be read)
     if (rows is None and isinstance(read_index, (list, tuple)) and read_index
-            and all(r.numel() and r.shape[0] != kv_c.shape[2] for r in read_index)):
+            and all(r.numel() and (by_page or r.shape[0] != kv_c.shape[2]) for r in read_index)):
         # (shapes only, no sync) what reached us is neither every context's rows nor tagged new rows: the model's
         # code changed the latent between the cache update and the attention, and attending it would be wrong
         raise RuntimeError(
             f"vllm_mla: a continuous-batching step of {type(module).__name__} received {kv_c.shape[2]} latent rows "
-            f"for contexts of {read_index[0].shape[0]}: the latent was changed between the cache update and the "
-            f"attention (set ContinuousBatchingConfig(use_cuda_graph=False) and report the model)"
+            f"for contexts of {read_index[0].shape[0]} {'pages' if by_page else 'rows'}: the latent was changed "
+            f"between the cache update and the attention (set ContinuousBatchingConfig(use_cuda_graph=False) and "
+            f"report the model)"
         )
     cu_k = kwargs["cu_seq_lens_k"]
     if not isinstance(cu_k, torch.Tensor):
@@ -413,22 +415,24 @@ def _ragged(module, query, kv_c, k_pe, scaling, dropout, softcap, extra, kwargs,
             queries, view, scale, w_uk, w_uv, b_v, plan.match, starts=starts))
 
     if rows is not None and device_path:
-        def decode_rows(queries, ends, starts):  # the split-row kernel over the engine's pages, in place
+        def decode_rows(queries, ends, starts, bases):  # the split-row kernel over the engine's pages, in place
             return with_absorbed_weights(kv_b, plan.match, heads, lambda w_uk, w_uv, b_v: _split_rows_decode(
-                queries, rows, ends, starts, scale, w_uk, w_uv, b_v, plan.match))
+                queries, rows, ends, starts, bases, scale, w_uk, w_uv, b_v, plan.match))
 
-        return ragged.ragged_mla_attention_in_pages(decode_rows, query, cu_q, cu_k)
+        return ragged.ragged_mla_attention_in_pages(decode_rows, query, cu_q, cu_k, rows.page)
     if device_path:
         return ragged.ragged_mla_attention_on_device(decode, query, kv_c, k_pe, cu_q, cu_k)
     return ragged.ragged_mla_attention(attend, query, kv_c, k_pe, cu_q, cu_k, decode)
 
 
-def _split_rows_decode(query, rows, ends, starts, scale, w_uk, w_uv, b_v, m):
+def _split_rows_decode(query, rows, ends, starts, bases, scale, w_uk, w_uv, b_v, m):
     """``query [T, H, 1, nope+rope]`` → ``[T, 1, H, v]``: absorbed attention with ``mla_decode_split_rows`` over the
-    latent rows ``rows = (k_rows, v_rows, slots)`` kept as K / V half rows in the engine's pages; the absorbed query's
-    latent and rope parts are read where they lie (joining them cost ~6% of a serving run's GPU time)."""
+    latent rows ``rows`` (``ragged.PagesRows``) kept as K / V half rows in the engine's pages, named a slot per row or
+    a slot per page (``bases``: where each token's request's pages begin); the absorbed query's latent and rope parts
+    are read where they lie (joining them cost ~6% of a serving run's GPU time)."""
     return absorbed_decode(query, w_uk, w_uv, b_v, m, rows.k_rows.dtype, lambda q_lat, q_pe: mla_decode_split_rows(
-        q_lat, rows.k_rows, rows.v_rows, rows.slots, ends, starts, scale, m.kv_lora_rank, q_rope=q_pe))
+        q_lat, rows.k_rows, rows.v_rows, rows.slots, ends, starts, scale, m.kv_lora_rank, q_rope=q_pe,
+        page=rows.page, page_bases=bases))
 
 
 def _expanded_for_weights(module, query, kv_c, k_pe):

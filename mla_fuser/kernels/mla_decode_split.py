@@ -31,7 +31,7 @@ from .mla_decode import (
     split_partials,
 )
 
-__all__ = ["split_rows_supported", "mla_decode_split_rows", "mla_decode_split_rows_ref", "join_split_rows"]
+__all__ = ["split_rows_supported", "mla_decode_split_rows", "mla_decode_split_rows_ref", "join_split_rows", "row_slots"]
 
 
 def split_rows_supported(rank: int, rope: int) -> bool:
@@ -46,8 +46,22 @@ def join_split_rows(k_rows: torch.Tensor, v_rows: torch.Tensor, rank: int) -> to
     return torch.cat([k_rows[:, :h], v_rows[:, :h], k_rows[:, h:], v_rows[:, h:]], dim=-1)
 
 
-def mla_decode_split_rows_ref(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank):
-    """Torch twin: the rows of ``slots`` joined, then ``mla_decode_ref`` over them as pages of one row."""
+def row_slots(slots, starts, seq_lens, page, page_bases):
+    """The slot of every context position ``[0, max(seq_lens))`` from slots of whole pages (see
+    :func:`mla_decode_split_rows`), each query's range filled from its own pages (host values: a twin's helper)."""
+    n = int(seq_lens.max()) if seq_lens.numel() else 0
+    out = torch.zeros(n, dtype=torch.long, device=slots.device)
+    for b, (start, end, base) in enumerate(zip(starts.tolist(), seq_lens.tolist(), page_bases.tolist())):
+        local = torch.arange(end - start, device=slots.device)
+        out[start:end] = slots[base + local // page].long() + local % page
+    return out
+
+
+def mla_decode_split_rows_ref(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank, page=0, page_bases=None):
+    """Torch twin: the rows of ``slots`` joined, then ``mla_decode_ref`` over them as pages of one row (slots of
+    whole pages are first turned into one slot per row)."""
+    if page:
+        slots = row_slots(slots, starts, seq_lens, page, page_bases)
     n = slots.shape[-1]
     latent = join_split_rows(k_rows[slots[:n].long()], v_rows[slots[:n].long()], rank)
     table = torch.arange(n, device=q.device, dtype=torch.int32).expand(q.shape[0], -1)
@@ -55,16 +69,18 @@ def mla_decode_split_rows_ref(q, k_rows, v_rows, slots, seq_lens, starts, scale,
 
 
 @lazy_jit(do_not_specialize=("T", "NUM_SPLITS", "stride_lb", "stride_lh"))
-def _split_rows_stage1(Q, QPE, KROWS, SLOTS, SEQ_LENS, STARTS, O_PART, LSE, OUT, qk_scale, T, H, RANK, RH, NUM_SPLITS,
-                       V_SHIFT, stride_qb, stride_qh, stride_eb, stride_eh, stride_kr, stride_pb, stride_ph, stride_ps,
-                       stride_lb, stride_lh, stride_ob, stride_oh, TOKENS: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_VH: tl.constexpr, BLOCK_RH: tl.constexpr,
+def _split_rows_stage1(Q, QPE, KROWS, SLOTS, SEQ_LENS, STARTS, BASES, O_PART, LSE, OUT, qk_scale, T, H, RANK, RH,
+                       NUM_SPLITS, V_SHIFT, stride_qb, stride_qh, stride_eb, stride_eh, stride_kr, stride_pb, stride_ph,
+                       stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, TOKENS: tl.constexpr,
+                       GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_VH: tl.constexpr, BLOCK_RH: tl.constexpr,
                        HAS_ROPE: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        DOT_UPCAST: tl.constexpr):
     # A program's rows are (token, head) pairs: TOKENS query tokens of H heads each, row r = token r // H, head r % H.
     # With GROUP > 1 the tokens come in aligned groups of GROUP: a group whose tokens share one start (one request's
     # prefill chunk) is served by the TOKENS == GROUP launch (its rows read each latent tile once), every other token
     # by the TOKENS == 1 launch; each launch leaves the other's rows alone.
+    # PAGE > 0: SLOTS holds the slot of each page's first row, a program's rows are one request's (its tokens share
+    # their start, the context's first row), and BASES[token] is where that request's pages begin in SLOTS.
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
     g = tl.program_id(2)
@@ -84,6 +100,8 @@ def _split_rows_stage1(Q, QPE, KROWS, SLOTS, SEQ_LENS, STARTS, O_PART, LSE, OUT,
     start_r = tl.load(STARTS + tok_r, mask=mask_h, other=0)
     hi = tl.reduce(tl.where(mask_h, end_r, 0), 0, MAX_COMBINE)
     lo = tl.minimum(-tl.reduce(tl.where(mask_h, -start_r, -(1 << 30)), 0, MAX_COMBINE), hi)  # (the rows' min)
+    if PAGE > 0:  # (every row of the program is one request's: one base)
+        base = tl.reduce(tl.where(mask_h, tl.load(BASES + tok_r, mask=mask_h, other=0), 0), 0, MAX_COMBINE)
     first = (lo // BLOCK_N) * BLOCK_N
     n_tiles = (hi - first + BLOCK_N - 1) // BLOCK_N
     tiles_per_split = (n_tiles + NUM_SPLITS - 1) // NUM_SPLITS
@@ -116,7 +134,11 @@ def _split_rows_stage1(Q, QPE, KROWS, SLOTS, SEQ_LENS, STARTS, O_PART, LSE, OUT,
     for start in range(t_start, t_end, BLOCK_N):
         tok = start + offs_n
         mask_n = (tok < t_end) & (tok >= lo)
-        slot = tl.load(SLOTS + tok, mask=mask_n, other=0).to(tl.int64)
+        if PAGE > 0:
+            local = tok - lo
+            slot = tl.load(SLOTS + base + local // PAGE, mask=mask_n, other=0).to(tl.int64) + local % PAGE
+        else:
+            slot = tl.load(SLOTS + tok, mask=mask_n, other=0).to(tl.int64)
         k_ptr = KROWS + slot[:, None] * stride_kr
         lo_k = tl.load(k_ptr + offs_v[None, :], mask=mask_n[:, None], other=0.0)
         hi_k = tl.load(k_ptr + V_SHIFT + offs_v[None, :], mask=mask_n[:, None], other=0.0)
@@ -197,7 +219,7 @@ def tokens_per_program(heads: int) -> int:
 
 
 def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank, num_splits=None,
-                                 q_rope=None, group=None, grouped_config=None):
+                                 q_rope=None, group=None, grouped_config=None, page=0, page_bases=None):
     """Triton path of :func:`mla_decode_split_rows` (no dispatch); ``grouped_config`` (an ``MLADecodeConfig``)
     overrides the grouped launch's tiles (sweeps)."""
     q_lat, q_pe = (q.narrow(-1, 0, rank), q.narrow(-1, rank, q.shape[-1] - rank)) if q_rope is None else (q, q_rope)
@@ -223,7 +245,8 @@ def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, sca
             swept = q_lat.dtype != torch.float32 and _hopper(q_lat.device)
             config = grouped_config or (GROUPED_CONFIG if swept else None)
         block_n = _tile_n((config or default_config(tokens * H, q_lat.dtype)).block_n, 1)[0]
-        plans.append((tokens, launch_plan(q_lat, rank, block_n, cdiv(max(1, slots.shape[-1]), block_n), config,
+        rows = slots.shape[-1] * max(page, 1)  # (context rows the slot list can name: the split search's length)
+        plans.append((tokens, launch_plan(q_lat, rank, block_n, cdiv(max(1, rows), block_n), config,
                                           num_splits, rope_apart=rope, rows=(cdiv(T, tokens), tokens * H))))
         num_splits = plans[0][1][7]
     o_part, lse, sp, sl = split_partials(out, num_splits, rank)
@@ -232,9 +255,10 @@ def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, sca
     qe_strides = (q_pe.stride(0), q_pe.stride(1)) if rope else (0, 0)
     for tokens, (cfg, block_h, block_n, _, _, _, head_tiles, _, block_s, block_vc) in plans:
         _split_rows_stage1[(head_tiles, num_splits, cdiv(T, tokens))](
-            q_lat, q_pe if rope else q_lat, k_rows, slots, seq_lens, starts, o_part, lse, out,
-            float(scale) * _LOG2E, T, H, rank, rh, num_splits, v_shift, q_lat.stride(0), q_lat.stride(1),
+            q_lat, q_pe if rope else q_lat, k_rows, slots, seq_lens, starts, page_bases if page else starts, o_part,
+            lse, out, float(scale) * _LOG2E, T, H, rank, rh, num_splits, v_shift, q_lat.stride(0), q_lat.stride(1),
             *qe_strides, k_rows.stride(0), *sp, *sl, out.stride(0), out.stride(1), TOKENS=tokens, GROUP=group,
+            PAGE=page,
             BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_VH=rank // 2, BLOCK_RH=max(16, next_pow2(max(rh, 1))),
             HAS_ROPE=rope > 0, DIRECT_OUT=num_splits == 1, DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -244,14 +268,23 @@ def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, sca
 
 
 def mla_decode_split_rows(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank, num_splits=None, q_rope=None,
-                          group=None):
+                          group=None, page=0, page_bases=None):
     """``[B, H, rank]``: absorbed MLA decode of ``q [B, H, rank + rope]`` over latent rows kept as K / V half rows.
 
     ``k_rows`` / ``v_rows``: ``[slots, (rank + rope) / 2]`` views of one layer's K and V half rows (same strides);
     ``slots``: int ``[n]`` the row of each context position; query ``b`` attends positions ``starts[b] <=
     t < seq_lens[b]`` (int32 ``[B]`` each).  ``q_rope [B, H, rope]``: the query's rope part where it lies (``q`` is
     then the latent part ``[B, H, rank]``; no joined copy).  ``group``: tokens per program for runs of queries with
-    one start (default :func:`tokens_per_program`).  No host read: the launch can be captured in a CUDA graph."""
+    one start (default :func:`tokens_per_program`).  No host read: the launch can be captured in a CUDA graph.
+
+    ``page > 0`` (slots of whole pages): ``slots`` names one slot per page of ``page`` rows (the page's first row;
+    its rows follow it), each query's positions count from ``starts[b]`` (its request's first row: the queries of
+    one start are one request's), and ``page_bases`` (int32 ``[B]``) says where query ``b``'s pages begin in
+    ``slots``: position ``t`` lies in slot ``slots[page_bases[b] + (t - starts[b]) // page] + (t - starts[b]) %
+    page``.  Continuous batching lists a context's pages this way instead of its every row (the engine's host work
+    per step then grows with pages, not tokens)."""
+    if page and (page_bases is None or page_bases.shape != starts.shape):
+        raise ValueError("mla_decode_split_rows: slots of whole pages need page_bases, one per query")
     width = q.shape[-1] + (0 if q_rope is None else q_rope.shape[-1])
     if q_rope is not None and (q.shape[-1] != rank or q_rope.shape[:2] != q.shape[:2] or q_rope.dtype != q.dtype):
         raise ValueError(f"q_rope {tuple(q_rope.shape)} does not go with a latent query {tuple(q.shape)} "
@@ -261,7 +294,7 @@ def mla_decode_split_rows(q, k_rows, v_rows, slots, seq_lens, starts, scale, ran
                          f"{rank} + rope {width - rank} split in two")
     if use_triton(q) and k_rows.stride(-1) == 1:
         return mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank, num_splits,
-                                            q_rope, group)
+                                            q_rope, group, page=page, page_bases=page_bases)
     if q_rope is not None:
         q = torch.cat([q, q_rope], dim=-1)
-    return mla_decode_split_rows_ref(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank)
+    return mla_decode_split_rows_ref(q, k_rows, v_rows, slots, seq_lens, starts, scale, rank, page, page_bases)

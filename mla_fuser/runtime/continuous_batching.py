@@ -38,7 +38,7 @@ from ..compat import (
     ATTENTION_NAME, FEATURE_MIN_VERSION, attention_implementation, cb_latent_allocator, cb_latent_row_layout,
     cb_latent_rows,
 )
-from ..attention_interfaces.ragged import LATENT_PAGE, PAGES_ROWS_ATTR, PagesRows, runs_on_device
+from ..attention_interfaces.ragged import LATENT_PAGE, PAGE_READS_KWARG, PAGES_ROWS_ATTR, PagesRows, runs_on_device
 from ..kernels.latent_gather import latent_gather
 from ..kernels.mla_decode_split import join_split_rows, split_rows_supported
 from ..plans import model_state, plan_of
@@ -109,6 +109,14 @@ KV_PADDING_INTERVAL = 1 << 40
 # (``benchmarks/bench_serving.py --cb-read``).
 READ_PAGES_IN_PLACE = True
 
+# Whether, on that in-place path, the engine's host preparation lists one slot per page of each request's context
+# instead of one per row (``LatentPagedAttentionCache.extend_read_and_write_indices``): Transformers builds its read
+# index as a Python list of every context row of every request at every step, then converts it into a tensor, which
+# made most of a serving step's host time at full load (``profile_serving_host_full_*.txt``); a page's rows are
+# consecutive slots, so the kernel finds them from the page's first (``kernels.mla_decode_split``, ``page``).  Read
+# when the engine builds its cache (benchmarks flip it for an A/B).
+READ_BY_PAGE = True
+
 
 def steps_graphs(config, model) -> None:
     """Let the engine capture its steps in CUDA graphs (varlen path) on a GPU when every fused MLA layer attends on
@@ -173,6 +181,32 @@ def latent_cache_class():
         rank: int
         rope: int
         latent_allocator: bool  # the pool's pages hold whole latent rows (5.25+), not K / V half rows
+        page_reads: int = 0  # rows per page when the read index lists a slot per page (READ_BY_PAGE), else 0
+        page_reads_checked: bool = False
+
+        def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index):
+            """The engine's, except that with :attr:`page_reads` each request's read index is the first slot of
+            each page of its context (``ceil(context / page)`` entries, not one per row).  The first call checks the
+            pages against the engine's own row list and turns page reads off for good where they differ (nothing
+            was listed by page yet)."""
+            if self.page_reads and read_index is not None and not self.page_reads_checked:
+                self.page_reads_checked = True
+                if not all(self._row_list_matches(a, request_id, past_length + query_length)
+                           for a in self.cache_allocators.values()):
+                    self.page_reads = 0
+            if not self.page_reads or read_index is None:
+                return super().extend_read_and_write_indices(request_id, past_length, query_length, read_index,
+                                                             write_index)
+            total = past_length + query_length
+            for allocator, writes, reads in zip(self.cache_allocators.values(), write_index, read_index):
+                writes.extend(allocator.get_write_indices(request_id, past_length, query_length))
+                reads.extend(page_slots(allocator, request_id, total))
+            return None
+
+        def _row_list_matches(self, allocator, request_id, total) -> bool:
+            rows = allocator.get_read_indices(request_id, total, 0)
+            pages, page = page_slots(allocator, request_id, total), self.page_reads
+            return rows == [pages[t // page] + t % page for t in range(total)]
 
         @property
         def split(self) -> bool:
@@ -225,14 +259,17 @@ def latent_cache_class():
             self._write_only(*self._rows(key_states, value_states), layer_idx, kwargs)
             index = read_index[allocator.index]
             # nothing cached is read (fresh prompts only): the context is the step's own rows, where they were written
+            # (the write index: a slot per row)
             slots = index if index.numel() else kwargs["write_index"][allocator.index]
-            (k_rows, v_rows), rank = views, self.rank
+            page = kwargs[PAGE_READS_KWARG] = self.page_reads if index.numel() else 0  # (the attention checks it)
+            (k_rows, v_rows), rank, cu_k = views, self.rank, kwargs["cu_seq_lens_k"]
 
-            def read():  # every context's latent, joined (for a layer that cannot take the kernel)
-                latent = join_split_rows(k_rows.index_select(0, slots), v_rows.index_select(0, slots), rank)
+            def read():  # every context's latent, joined (for a layer that cannot take the kernel; host reads)
+                at = slots if not page else context_row_slots(slots, cu_k, page)
+                latent = join_split_rows(k_rows.index_select(0, at), v_rows.index_select(0, at), rank)
                 return latent[None, None, :, :rank], latent[None, None, :, rank:]
 
-            rows = PagesRows(k_rows, v_rows, slots, read)
+            rows = PagesRows(k_rows, v_rows, slots, read, page)
             kv_c, k_pe = key_states.view_as(key_states), value_states.view_as(value_states)
             setattr(kv_c, PAGES_ROWS_ATTR, rows)
             return kv_c, k_pe
@@ -243,6 +280,9 @@ def latent_cache_class():
             in_place = self._written_in_place(key_states, value_states, layer_idx, kwargs)
             if in_place is not None:
                 return in_place
+            if self.page_reads and kwargs.get("read_index") and kwargs["read_index"][0].numel():
+                raise RuntimeError("continuous batching: this step's read index lists pages (READ_BY_PAGE), which "
+                                   "only the in-place device path reads; the engine's own read-back needs rows")
             rank, width = self.rank, self.rank + self.rope
             first, second = self._rows(key_states, value_states)
             allocator = self.layer_to_allocator[layer_idx]
@@ -263,6 +303,44 @@ def latent_cache_class():
             return latent[None, None, :rows, :rank], latent[None, None, :rows, rank:width]
 
     return LatentPagedAttentionCache
+
+
+def page_slots(allocator, request_id: str, total: int) -> list[int]:
+    """The slot of the first row of each page of ``request_id``'s first ``total`` rows in ``allocator``'s pool, as
+    the engine's ``get_read_indices`` addresses them (a page's rows follow its first slot)."""
+    table = allocator.block_table.get(request_id)
+    pages = -(-total // allocator.tokens_per_page)
+    if table is None or len(table) < pages:
+        raise ValueError(f"continuous batching: request {request_id} holds {0 if table is None else len(table)} "
+                         f"pages for {total} rows")
+    stride = allocator.block_physical_stride
+    return [block * stride for block in table[:pages]]
+
+
+def context_row_slots(slots: torch.Tensor, cu_k: torch.Tensor, page: int) -> torch.Tensor:
+    """The slot of every context row, in request order, from slots of whole pages (``PagesRows.page``): for the
+    host path, which reads the bounds on the host."""
+    from ..kernels.mla_decode_split import row_slots
+
+    lengths = cu_k[1:] - cu_k[:-1]
+    pages = (lengths + page - 1) // page
+    return row_slots(slots, cu_k[:-1], cu_k[1:], page, torch.cumsum(pages, 0) - pages)
+
+
+def page_reads_of(cache, model) -> int:
+    """Rows per page where the read index may list pages (:data:`READ_BY_PAGE`): every layer reads in place on the
+    device path (the split layout, the engine's page views, the model on an accelerator or the device path forced
+    on a CPU), and the allocators address rows as ``block_table[page] * block_physical_stride + row``; else 0."""
+    device = next(model.parameters()).device
+    allocators = list(cache.cache_allocators.values())
+    if not (READ_BY_PAGE and READ_PAGES_IN_PLACE and cache.split and runs_on_device(torch.empty(0, device=device))
+            and allocators and all(hasattr(a, n) for a in allocators
+                                   for n in ("block_table", "block_physical_stride", "tokens_per_page"))):
+        return 0
+    if any(page_views(a, i) is None for a in allocators for i in getattr(a, "layer_indices", ())):
+        return 0
+    pages = {a.tokens_per_page for a in allocators}
+    return pages.pop() if len(pages) == 1 else 0
 
 
 def latent_allocator_of(cache, latent: tuple[int, int]) -> bool:
@@ -331,6 +409,7 @@ def manager_class():
                 cache.__class__ = latent_cache
             cache.rank, cache.rope = self.latent
             cache.latent_allocator = latent_allocator_of(cache, self.latent)
+            cache.page_reads, cache.page_reads_checked = page_reads_of(cache, self.model), False
             return processor
 
     return LatentContinuousBatchingManager
