@@ -169,14 +169,19 @@ class PagedLatentLayer(HostTables, CountsMoves, CacheLayerMixin):
     def keys(self) -> torch.Tensor | None:
         """The cached latent ``kv_c`` ``[B, 1, T, kv_lora_rank]``, as Transformers' own MLA caches hold it; read back
         from the pages at each access (a copy: writing to it changes nothing).  None while nothing is cached."""
-        latent = self._read_back()
-        return None if latent is None else latent[..., : self.rank].unsqueeze(1)
+        return self.keys_and_values()[0]
 
     @property
     def values(self) -> torch.Tensor | None:
         """The cached rotary key ``k_pe`` ``[B, 1, T, rope]`` (see ``keys``)."""
+        return self.keys_and_values()[1]
+
+    def keys_and_values(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(keys, values)`` from one read-back of the pages (each property reads them back on its own)."""
         latent = self._read_back()
-        return None if latent is None else latent[..., self.rank:].unsqueeze(1)
+        if latent is None:
+            return None, None
+        return latent[..., : self.rank].unsqueeze(1), latent[..., self.rank:].unsqueeze(1)
 
     @keys.setter
     def keys(self, value) -> None:

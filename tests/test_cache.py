@@ -281,8 +281,15 @@ def test_paged_cache_exposes_the_latent_as_keys_and_values_like_native():
         assert layer.values.shape == ref_layer.values.shape == (2, 1, ids.shape[1] + 4, 4)
         torch.testing.assert_close(layer.keys[:, 0][real], ref_layer.keys[:, 0][real], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(layer.values[:, 0][real], ref_layer.values[:, 0][real], atol=1e-5, rtol=1e-5)
+    layer = cache.layers[0]
+    reads, gather = [], layer.gather
+    layer.gather = lambda *a, **k: reads.append(1) or gather(*a, **k)
+    both = layer.keys_and_values()  # (keys and values from one read-back of the pages)
+    assert len(reads) == 1 and torch.equal(both[0], layer.keys) and torch.equal(both[1], layer.values)
+    del layer.gather
     empty = PagedLatentCache(fused)
     assert empty.layers[0].keys is None and empty.layers[0].values is None
+    assert empty.layers[0].keys_and_values() == (None, None)
     with pytest.raises(AttributeError, match="read back from the pages"):
         cache.layers[0].keys = torch.zeros(1)
 

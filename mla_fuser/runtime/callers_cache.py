@@ -87,6 +87,7 @@ def fill(caller, ours, held: int) -> None:
     """What the call added to ``ours`` after the ``held`` tokens it started from, appended to the caller's cache
     through its own ``update`` (in native's layout)."""
     for idx, layer in enumerate(ours.layers):
-        keys, values = layer.keys, layer.values
+        both = getattr(layer, "keys_and_values", None)  # (a paged layer: its pages read back once, not per property)
+        keys, values = both() if both is not None else (layer.keys, layer.values)
         if keys is not None and keys.shape[2] > held:
             caller.update(keys[:, :, held:], values[:, :, held:], idx)
