@@ -4,6 +4,8 @@ requests, prefill chunks, and a mix; one token per program (``group=1``) vs runs
 
     python benchmarks/bench_split_rows.py --out benchmarks/results/split_rows.json
     python benchmarks/bench_split_rows.py --dry-run          # tiny shapes, interpreted Triton on a CPU
+
+Where a shape has prefill chunks (H=16 by default), they are also timed absorbed vs expanded (``prefill_arms``).
 """
 
 from __future__ import annotations
@@ -92,6 +94,58 @@ def sweep(shapes, device, dtype, scale):
     return rows
 
 
+def prefill_arms(requests, heads, device, dtype, scale, rank=512, rope=64, nope=128, v_dim=128, seed=0):
+    """The prefill chunks of a step (``requests`` with more than one new token) two ways, with the query and the
+    output projections each needs (DeepSeek-V2-Lite widths), by CUDA-graph replay: **absorbed** (the query's nope part
+    through W_UK, the split-row kernel over the latent rows in place, W_UV on its output: what continuous batching
+    runs) and **expanded** (each chunk's context rows gathered and joined, expanded through kv_b_proj into per-head
+    K / V, then SDPA, causal from the context's end); the two outputs checked against each other (the same
+    attention, another order of sums).  Issue 12's "varlen latent prefill kernel or per-chunk expansion of only what
+    each chunk attends, whichever measures faster"."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from mla_fuser.kernels.mla_decode_split import join_split_rows, mla_decode_split_rows
+
+    chunks = [(cached, new) for cached, new in requests if new > 1]
+    if not chunks:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    _, k_rows, v_rows, slots, ends, starts = step(chunks, heads, rank, rope, device, dtype, seed)
+    tokens = int(ends.shape[0])
+    w = (torch.randn(heads, nope + v_dim, rank, generator=gen) * rank ** -0.5).to(device, dtype)  # kv_b_proj
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    q = (torch.randn(tokens, heads, nope + rope, generator=gen) * 0.5).to(device, dtype)
+    bounds, k0, t0 = [], 0, 0
+    for cached, new in chunks:
+        bounds.append((t0, t0 + new, k0, k0 + cached + new))
+        t0, k0 = t0 + new, k0 + cached + new
+
+    def absorbed():
+        q_lat = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk)
+        out = mla_decode_split_rows(q_lat, k_rows, v_rows, slots, ends, starts, scale, rank, q_rope=q[..., nope:])
+        return torch.einsum("thr,hvr->thv", out, w_uv)
+
+    def expanded():
+        out = q.new_empty(tokens, heads, v_dim)
+        for q0, q1, c0, c1 in bounds:
+            rows = slots[c0:c1]
+            latent = join_split_rows(k_rows.index_select(0, rows), v_rows.index_select(0, rows), rank)
+            kv = torch.einsum("tr,hkr->htk", latent[:, :rank], w)  # [H, T, nope + v]
+            k = torch.cat([kv[..., :nope], latent[:, rank:].expand(heads, -1, -1)], dim=-1)
+            v = torch.nn.functional.pad(kv[..., nope:], (0, nope + rope - v_dim))
+            qc = q[q0:q1].transpose(0, 1).unsqueeze(0)
+            mask = causal_lower_right(q1 - q0, c1 - c0)
+            o = torch.nn.functional.scaled_dot_product_attention(qc, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                                                 scale=scale)
+            out[q0:q1] = o[0, :, :, :v_dim].transpose(0, 1)
+        return out
+
+    a, e = absorbed().float(), expanded().float()
+    return {"chunk_tokens": tokens, "context_rows": int(slots.shape[0]),
+            "absorbed_us": timed(absorbed, device), "expanded_us": timed(expanded, device),
+            "max_rel_diff": ((a - e).abs().max() / e.abs().max()).item()}
+
+
 def main(argv=None):
     from mla_fuser.kernels.mla_decode_split import mla_decode_split_rows, mla_decode_split_rows_ref
 
@@ -99,8 +153,11 @@ def main(argv=None):
     p.add_argument("--heads", default="16,128")
     p.add_argument("--out", default=None)
     p.add_argument("--sweep", action="store_true", help="grouped launch's tiles swept on the prefill shapes (H=16)")
+    p.add_argument("--prefill-heads", default="16", help="head counts whose prefill chunks are also timed absorbed "
+                   "vs expanded (comma-separated; empty: none)")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
+    args.prefill_heads = {int(h) for h in args.prefill_heads.split(",") if h}
     cuda = torch.cuda.is_available() and not args.dry_run
     device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     scale = 1 / 192 ** 0.5
@@ -126,6 +183,9 @@ def main(argv=None):
                     return mla_decode_split_rows(q, k_rows, v_rows, slots, ends, starts, scale, 512, group=group)
                 err = ((run()[:check].float() - want).abs().max() / want.abs().max()).item()
                 row[label] = {"us": timed(run, device), "max_rel_err": err}
+            arms = prefill_arms(requests, heads, device, dtype, scale) if heads in args.prefill_heads else None
+            if arms is not None:
+                row["prefill_chunks_absorbed_vs_expanded"] = arms
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.sweep:
