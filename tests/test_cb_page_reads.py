@@ -43,21 +43,22 @@ def _step_by_page(gen, requests, page, pages=40, heads=4, rank=32, rope=8):
             torch.tensor(bases, **as32), torch.tensor(row_slots))
 
 
-@pytest.mark.parametrize("page", [4, 16])
+@pytest.mark.parametrize("page", [4, 6, 16])  # (6: a page size that is no power of two)
 @pytest.mark.parametrize("group", [1, 2])
 def test_slots_by_page_read_the_same_rows_as_slots_by_row(interp, page, group):
-    """Interpreted Triton with slots by page equals the torch twin with one slot per row (and the twin by page):
-    decode tokens, prefill chunks (served a group of tokens a program), last pages partly filled, padding tokens,
-    several splits."""
+    """Interpreted Triton with slots by page equals the torch twin with one slot per row: decode tokens, prefill
+    chunks (served a group of tokens a program), last pages partly filled, padding tokens, several splits; the twin
+    by page (``row_slots`` then the twin by row) finds every row's slot."""
     pytest.importorskip("triton")
-    from mla_fuser.kernels.mla_decode_split import mla_decode_split_rows, mla_decode_split_rows_ref
+    from mla_fuser.kernels.mla_decode_split import mla_decode_split_rows, mla_decode_split_rows_ref, row_slots
 
     gen = torch.Generator().manual_seed(page + group)
     k_rows, v_rows, q, starts, ends, by_page, bases, by_row = _step_by_page(
         gen, [(40, 6), (14, 1), (3, 1), (page, 1), (0, 9), (2 * page - 1, 1)], page)
+    assert torch.equal(row_slots(by_page, starts, ends, page, bases), by_row)
     want = mla_decode_split_rows_ref(q, k_rows, v_rows, by_row, ends, starts, 0.25, 32)
     twin = mla_decode_split_rows_ref(q, k_rows, v_rows, by_page, ends, starts, 0.25, 32, page, bases)
-    torch.testing.assert_close(twin, want, rtol=0, atol=0)
+    torch.testing.assert_close(twin, want, rtol=1e-5, atol=1e-5)
     for splits in (1, 3):
         got = mla_decode_split_rows(q, k_rows, v_rows, by_page, ends, starts, 0.25, 32, num_splits=splits,
                                     group=group, page=page, page_bases=bases)
@@ -135,3 +136,17 @@ def test_rows_are_listed_when_page_reads_are_off_or_the_engines_rows_disagree(mo
     monkeypatch.setattr(cbm, "page_slots", lambda *a: [s + 1 for s in real_pages(*a)])
     _check_batch(native, fused, prompts, _greedy(4), _cb_config())
     assert pages_read and set(pages_read) == {0}
+
+
+@needs_cb
+def test_pages_of_a_size_that_is_no_power_of_two(monkeypatch, device_path):
+    """Pages of 12 rows (the engine takes any page size): contexts over several pages read by page, tokens equal
+    native's."""
+    from mla_fuser.attention_interfaces import vllm_mla
+
+    pages_read, real_kernel = [], vllm_mla.mla_decode_split_rows
+    monkeypatch.setattr(vllm_mla, "mla_decode_split_rows",
+                        lambda *a, **k: pages_read.append(k.get("page", 0)) or real_kernel(*a, **k))
+    native, fused = _pair(kv_lora_rank=32)
+    _check_batch(native, fused, _prompts([30, 7, 13], seed=9), _greedy(5), _cb_config(page_size=12))
+    assert 12 in pages_read and set(device_path) == {"pages"}
