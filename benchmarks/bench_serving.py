@@ -1,4 +1,5 @@
-"""Serving a ragged workload: fused + Transformers' continuous batching vs fused and native static batches.
+"""Serving a ragged workload: fused + Transformers' continuous batching vs fused and native static batches (the
+pieces live in ``mla_fuser.bench_serve``, which ``mla-fuser bench --serve`` runs; this script adds HTTP and A/Bs).
 
 A seeded synthetic ShareGPT-like workload: N requests, prompt lengths uniform in [32, 1024], output lengths uniform
 in [32, 512], all submitted at once, fixed lengths (per-request ``max_new_tokens``, EOS ignored).  In one run:
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import socket
@@ -46,21 +46,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from mla_fuser import bench_serve  # noqa: E402
+from mla_fuser.bench_serve import percentile as _pct, run_static, workload  # noqa: E402
 from mla_fuser.presets import build_preset  # noqa: E402
-
-
-def workload(n, seed, prompt_range, output_range, vocab, words=None):
-    """Prompt token ids and output lengths; with ``words`` (token ids) prompts draw from those ids only."""
-    gen = torch.Generator().manual_seed(seed)
-    prompts, outputs = [], []
-    for _ in range(n):
-        length = int(torch.randint(prompt_range[0], prompt_range[1] + 1, (1,), generator=gen))
-        if words is None:
-            prompts.append(torch.randint(3, vocab, (length,), generator=gen).tolist())
-        else:
-            prompts.append([words[i] for i in torch.randint(0, len(words), (length,), generator=gen).tolist()])
-        outputs.append(int(torch.randint(output_range[0], output_range[1] + 1, (1,), generator=gen)))
-    return prompts, outputs
 
 
 def text_workload(tokenizer, prompts):
@@ -76,92 +64,13 @@ def word_ids(tokenizer):
                   if token.startswith("\u0120") and len(token) > 1 and token[1:].isalpha() and token[1:].islower())
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _pct(values, q):
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
-
-
 # Further ContinuousBatchingConfig fields for every engine of the run (``--max-requests-per-batch``)
 ENGINE_EXTRA: dict = {}
 
 
-def run_cb(model, prompts, outputs, max_memory_percent, num_blocks=None, cuda_graph=None, max_batch_tokens=None,
-           warmup=None, timed_context=contextlib.nullcontext, concurrency=None, repeats=1):
-    """One manager serves ``warmup`` (``(prompts, outputs)``, untimed: kernel compiles and the engine's graph captures
-    of the step sizes it meets) and then the timed workload, as a server that has been up a while would;
-    ``timed_context()`` is entered around the timed part only (a profiler).  ``concurrency``: at most that many
-    requests in flight (the next one is added when one finishes), as the HTTP clients send them; None: all at once.
-    ``repeats``: the timed workload served that many times by the same manager; the run of median throughput is
-    reported, every run's headline figures under ``repeat_runs`` (runs of one setting differ by ~15%)."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
-    config = GenerationConfig(max_new_tokens=max(outputs + (warmup[1] if warmup else [])), do_sample=False,
-                              eos_token_id=-1, pad_token_id=0)
-    cb = ContinuousBatchingConfig(max_memory_percent=max_memory_percent, num_blocks=num_blocks,
-                                  use_cuda_graph=cuda_graph, max_batch_tokens=max_batch_tokens, **ENGINE_EXTRA)
-    captures = []
-    if torch.cuda.is_available():  # count the engine's graph captures (each new padded step size is one)
-        begin = torch.cuda.CUDAGraph.capture_begin
-        torch.cuda.CUDAGraph.capture_begin = lambda self, *a, **k: captures.append(1) or begin(self, *a, **k)
-    device = model.get_input_embeddings().weight.device
-    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
-    manager.start()
-
-    def serve(prompts, outputs):
-        queue = list(zip(prompts, outputs))[::-1]
-        ids, results, deadline = {}, {}, time.monotonic() + 3600
-
-        def add(count):
-            for _ in range(min(count, len(queue))):
-                p, n = queue.pop()
-                ids[manager.add_request(p, max_new_tokens=n, record_timestamps=True)] = n
-
-        add(concurrency or len(queue))
-        while len(results) < len(prompts) and time.monotonic() < deadline:
-            result = manager.get_result(timeout=1.0)
-            if result is not None:
-                results[result.request_id] = result
-                add(1)
-        return ids, results
-
-    warm, runs = {}, []
-    try:
-        if warmup:
-            _sync(device)
-            start = time.perf_counter()
-            ids, results = serve(*warmup)
-            _sync(device)
-            warm = {"warmup_requests": len(ids), "warmup_failed": sum(1 for r in results.values() if r.error),
-                    "warmup_wall_s": time.perf_counter() - start, "warmup_graph_captures": len(captures)}
-        for _ in range(max(1, repeats)):
-            captures.clear()
-            with timed_context():
-                _sync(device)
-                start = time.perf_counter()
-                ids, results = serve(prompts, outputs)
-                _sync(device)
-                wall = time.perf_counter() - start
-            runs.append(dict(_run_summary(ids, results, wall), graph_captures=len(captures)))
-    finally:
-        manager.stop(block=True, timeout=60)
-        if torch.cuda.is_available():
-            torch.cuda.CUDAGraph.capture_begin = begin
-    median = sorted(runs, key=lambda r: r["output_tok_per_s"])[len(runs) // 2]
-    out = dict(median, concurrency=concurrency or "all at once",
-               cuda_graph=str(manager.continuous_batching_config.use_cuda_graph),
-               num_blocks=manager.continuous_batching_config.num_blocks,
-               page_size=manager.continuous_batching_config.page_size, **warm)
-    if len(runs) > 1:
-        out["repeat_runs"] = [{k: r[k] for k in ("output_tok_per_s", "ttft_s", "tpot_ms", "graph_captures", "failed")}
-                              for r in runs]
-    return out
+def run_cb(*args, **kwargs):
+    """``mla_fuser.bench_serve.run_cb`` (the workload through one manager) with this run's further engine fields."""
+    return bench_serve.run_cb(*args, engine_extra=ENGINE_EXTRA, **kwargs)
 
 
 # what a row of an in-process A/B keeps of its run
@@ -246,27 +155,6 @@ def constant_ab(model, prompts, outputs, args, graphs, warmup):
             rows.append(row)
             print(json.dumps(row), flush=True)
     return {"constant": args.ab_constant, "runs": rows}
-
-
-def _run_summary(ids, results, wall):
-    """One timed run's figures: requests, failures, lengths, output tokens/s, TTFT and TPOT (p50/p99, every TPOT)."""
-    failed = [r for r in results.values() if r.error]
-    tokens = sum(len(r.generated_tokens) for r in results.values() if not r.error)
-    ttft, tpot = [], []
-    for r in results.values():
-        stamps = r.timestamps or []
-        if stamps:
-            ttft.append(stamps[0] - r.created_time)
-            if len(stamps) > 1:
-                tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
-    return {
-        "requests": len(ids), "finished": len(results), "failed": len(failed),
-        "wrong_lengths": sum(len(r.generated_tokens) != ids[k] for k, r in results.items() if not r.error),
-        "output_tokens": tokens, "wall_s": wall, "output_tok_per_s": tokens / wall,
-        "ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
-        "tpot_ms": {"p50": _pct([t * 1e3 for t in tpot], 50), "p99": _pct([t * 1e3 for t in tpot], 99)},
-        "tpot_ms_all": sorted(round(t * 1e3, 3) for t in tpot),
-    }
 
 
 # ---- through HTTP: the server in this process (a thread), the clients in another process ----------------------------
@@ -431,31 +319,6 @@ def run_http(model, tokenizer, texts, outputs, cb_config, concurrency, warmup, t
 
 
 @torch.no_grad()
-def run_static(model, prompts, outputs, batch):
-    """Length-sorted static batches, left-padded; only each request's own output tokens count."""
-    device = model.get_input_embeddings().weight.device
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    useful = 0
-    _sync(device)
-    start = time.perf_counter()
-    for b in range(0, len(order), batch):
-        rows = order[b:b + batch]
-        longest = max(len(prompts[i]) for i in rows)
-        ids = torch.zeros(len(rows), longest, dtype=torch.long)
-        mask = torch.zeros(len(rows), longest, dtype=torch.long)
-        for r, i in enumerate(rows):
-            ids[r, longest - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, longest - len(prompts[i]):] = 1
-        new = max(outputs[i] for i in rows)
-        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, pad_token_id=0)
-        useful += sum(outputs[i] for i in rows)
-    _sync(device)
-    wall = time.perf_counter() - start
-    return {"requests": len(prompts), "batch": batch, "output_tokens": useful, "wall_s": wall,
-            "output_tok_per_s": useful / wall}
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="deepseek-v2-lite")
@@ -619,6 +482,7 @@ def main(argv=None):
     n_static = args.requests if args.static_requests is None else args.static_requests
     if n_static:
         result["fused_static"] = run_static(fused, prompts[:n_static], outputs[:n_static], args.static_batch)
+        result["fused_static"]["subset_of_workload"] = n_static < args.requests
         print(json.dumps(result["fused_static"]), flush=True)
     if args.native_requests:
         del fused
@@ -636,22 +500,7 @@ def main(argv=None):
             fh.write(text + "\n")
     print(text)
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        names = [k for k in ("fused_cb", "fused_http", "fused_static", "native_static") if k in result]
-        fig, (bars, cdf) = plt.subplots(1, 2, figsize=(11, 4))
-        bars.bar(names, [result[k]["output_tok_per_s"] for k in names])
-        bars.set_ylabel("output tokens/s")
-        bars.set_title(f"{args.preset}, {args.requests} requests")
-        tpot = result["fused_cb"]["tpot_ms_all"]
-        cdf.plot(tpot, [(i + 1) / len(tpot) for i in range(len(tpot))])
-        cdf.set_xlabel("TPOT (ms), fused + continuous batching")
-        cdf.set_ylabel("share of requests")
-        fig.savefig(args.plot, dpi=120, bbox_inches="tight")
-
+        bench_serve.plot(result, args.plot, f"{args.preset}, {args.requests} requests")
 
 if __name__ == "__main__":
     main()

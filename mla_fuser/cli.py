@@ -41,6 +41,13 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _count(text: str) -> int:
+    """argparse type of how many requests take a part (zero: none)."""
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return int(text)
+
+
 def _shapes(text: str) -> list[tuple[int, int]]:
     """argparse type of ``--shapes``: ``BATCHxCONTEXT`` pairs of positive integers, comma-separated."""
     shapes = []
@@ -198,6 +205,25 @@ def _check_usage(args) -> None:
         raise UsageError("--plot needs matplotlib: pip install 'mla-fuser[plot]'")
     if getattr(args, "fp8_cache", False) and not args.generate:
         raise UsageError("--fp8-cache times generate() over a float8 PagedLatentCache: add --generate")
+    if getattr(args, "serve", False):
+        decode_only = [flag for flag, on in (("--generate", args.generate), ("--cuda-graph", args.cuda_graph),
+                                             ("--compile-mode", args.compile_mode), ("--fp8-weights", args.fp8_weights),
+                                             ("--fp8-cache", args.fp8_cache)) if on]
+        if decode_only:
+            raise UsageError(f"--serve runs continuous batching over the default model: {', '.join(decode_only)} "
+                             f"apply to the decode benchmark only")
+        for name in ("prompt_range", "output_range"):
+            low, high = getattr(args, name)
+            if low > high:
+                raise UsageError(f"--{name.replace('_', '-')} {low} {high}: MIN is above MAX")
+        from .compat import FEATURE_MIN_VERSION, transformers_version
+
+        needed = FEATURE_MIN_VERSION["continuous batching"]
+        if transformers_version() < needed:
+            import transformers
+
+            raise UsageError(f"--serve runs Transformers' continuous batching, which fused MLA models need "
+                             f"transformers>={'.'.join(map(str, needed))} for (installed: {transformers.__version__})")
     if args.command == "serve":
         _check_serve_target(args)
 
@@ -267,9 +293,12 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_model_bench
+    if args.serve:
+        result = _serve_bench(args)
+    else:
+        from .bench import run_model_bench
 
-    result = run_model_bench(args)
+        result = run_model_bench(args)
     text = json.dumps(result, indent=2)
     if args.out:
         with open(args.out, "w") as fh:
@@ -278,6 +307,22 @@ def cmd_bench(args) -> int:
     else:
         print(text)
     return 0
+
+
+def _serve_bench(args) -> dict:
+    """``bench --serve``: :func:`bench_serve.serve_benchmark` on the command line's model, its PNG with ``--plot``."""
+    from . import bench_serve
+
+    name = args.model or args.preset
+    result = bench_serve.serve_benchmark(
+        lambda: load_for_cli(args, "vllm_mla")[0], lambda: load_for_cli(args, "sdpa")[0], name,
+        requests=args.requests, prompt_range=tuple(args.prompt_range), output_range=tuple(args.output_range),
+        static_requests=args.static_requests, static_batch=args.static_batch, native_requests=args.native_requests,
+        native_batch=args.native_batch, max_memory_percent=args.max_memory_percent,
+        max_batch_tokens=args.max_batch_tokens, warmup=args.warmup, seed=args.seed)
+    if args.plot:
+        bench_serve.plot(result, args.plot, f"{name}, {args.requests} requests")
+    return result
 
 
 def cmd_serve(args) -> int:
@@ -337,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=_positive_int, default=8, help="decode steps timed per shape")
     bench.add_argument("--out", type=_output_file, help="write the JSON here")
     bench.add_argument("--plot", type=_output_file,
-                       help="write a PNG of ms/step against context length (needs matplotlib)")
+                       help="write a PNG (needs matplotlib): ms/step against context length; with --serve, "
+                            "throughput bars and the TPOT CDF")
     bench.add_argument("--skip-native", action="store_true")
     bench.add_argument("--generate", action="store_true",
                        help="time Transformers' generate() itself (ms/step from two calls; fused models on CUDA "
@@ -353,6 +399,24 @@ def build_parser() -> argparse.ArgumentParser:
                             "unquantised fused model runs beside it")
     bench.add_argument("--fp8-cache", action="store_true",
                        help="with --generate: the fused model decodes over a float8 PagedLatentCache")
+    serving = bench.add_argument_group("--serve", "a ragged workload through continuous batching (mla_fuser.bench_serve)")
+    serving.add_argument("--serve", action="store_true",
+                         help="serve a seeded synthetic workload (all requests at once, fixed lengths) through "
+                              "Transformers' continuous batching, beside fused and native static batches: output "
+                              "tokens/s, TTFT, TPOT (the decode options above do not apply)")
+    serving.add_argument("--requests", type=_positive_int, default=1000)
+    serving.add_argument("--prompt-range", type=_positive_int, nargs=2, default=[32, 1024], metavar=("MIN", "MAX"))
+    serving.add_argument("--output-range", type=_positive_int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    serving.add_argument("--static-requests", type=_count, default=None,
+                         help="requests of the workload run as fused static batches (default all; 0: none)")
+    serving.add_argument("--static-batch", type=_positive_int, default=64)
+    serving.add_argument("--native-requests", type=_count, default=64,
+                         help="requests run as native static batches (default 64; 0: none)")
+    serving.add_argument("--native-batch", type=_positive_int, default=32)
+    serving.add_argument("--max-batch-tokens", type=_positive_int, default=None,
+                         help="tokens per engine step (default: the engine's)")
+    serving.add_argument("--max-memory-percent", type=_fraction, default=0.8)
+    serving.add_argument("--warmup", type=_count, default=32, help="requests served untimed first (default 32)")
     bench.set_defaults(func=cmd_bench)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the fused model (Transformers' own server; "

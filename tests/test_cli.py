@@ -64,6 +64,40 @@ def test_bench_fp8_cache_needs_generate(capsys):
     assert exc.value.code == 2 and "--fp8-cache" in capsys.readouterr().err
 
 
+def test_bench_serve_json(tmp_path, capsys):
+    """``bench --serve``: the workload through continuous batching (every request finished at its length) beside
+    fused and native static batches of subsets, marked as such, with TTFT / TPOT and the ratio to static batches;
+    a Transformers without continuous batching for fused models is a usage error naming the release needed."""
+    from mla_fuser import compat
+
+    path = tmp_path / "serve.json"
+    if compat.transformers_version() < compat.FEATURE_MIN_VERSION["continuous batching"]:
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", "--serve", "--requests", "2"])
+        assert exc.value.code == 2 and "transformers>=5.19" in capsys.readouterr().err
+        return
+    assert main(["bench", "--serve", "--requests", "6", "--prompt-range", "4", "12", "--output-range", "2", "5",
+                 "--static-requests", "3", "--native-requests", "2", "--warmup", "2", "--out", str(path)]) == 0
+    data = json.loads(path.read_text())
+    cb = data["fused_cb"]
+    assert (cb["requests"], cb["finished"], cb["failed"], cb["wrong_lengths"]) == (6, 6, 0, 0)
+    assert cb["output_tokens"] >= 12 and cb["ttft_s"]["p50"] > 0 and cb["tpot_ms"]["p50"] > 0
+    assert cb["warmup_requests"] == 2 and cb["warmup_failed"] == 0
+    assert data["fused_static"]["requests"] == 3 and data["fused_static"]["subset_of_workload"]
+    assert data["native_static"]["requests"] == 2 and data["native_static"]["subset_of_workload"]
+    assert data["cb_over_fused_static"] == pytest.approx(cb["output_tok_per_s"]
+                                                         / data["fused_static"]["output_tok_per_s"])
+
+
+@pytest.mark.parametrize("extra,words", [(["--generate"], "--generate"), (["--fp8-weights"], "--fp8-weights"),
+                                         (["--prompt-range", "9", "4"], "MIN is above MAX"),
+                                         (["--max-memory-percent", "1.5"], "(0, 1]")])
+def test_bench_serve_usage_errors(capsys, extra, words):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--serve", *extra])
+    assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
 def test_bench_compiled_decode_static_paged_cache(tmp_path):
     """``--compile-mode``: decode steps under torch.compile over a static paged cache (here the ``eager``
     backend: tracing only, the CPU stand-in for the CUDA-graph path)."""

@@ -22,7 +22,7 @@ LAYERS = [
     ("fusion",),
     ("loader",),
     ("presets",),
-    ("bench", "serve"),
+    ("bench", "bench_serve", "serve"),
     ("cli",),
     ("__init__",),
 ]
