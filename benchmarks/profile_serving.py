@@ -1,7 +1,7 @@
 """Where a continuous-batching run of a fused model spends its time: torch.profiler over a short serving run
 (the generation loop runs in the engine's thread; the profiler records every thread), tables by CUDA and CPU time.
-The same manager serves the workload once first, unprofiled, so kernel compiles and the engine's graph captures stay
-out of the profile (a server's steady state).
+The same manager serves the workload once first (``--warmup``: that many of its requests), unprofiled, so kernel
+compiles and the engine's graph captures stay out of the profile (a server's steady state).
 
     python benchmarks/profile_serving.py --requests 192 --out profile_serving.txt
 """
@@ -28,6 +28,8 @@ def main(argv=None):
     p.add_argument("--requests", type=int, default=192)
     p.add_argument("--output-range", type=int, nargs=2, default=[32, 96])
     p.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per engine step (engine default 8192)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="requests of the workload served first, unprofiled (default: all of it)")
     p.add_argument("--out", default="profile_serving.txt")
     args = p.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -37,7 +39,9 @@ def main(argv=None):
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
     prof = torch.profiler.profile(activities=activities)
-    summary = run_cb(model, prompts, outputs, 0.8, warmup=(prompts, outputs), timed_context=lambda: prof,
+    warm = args.warmup if args.warmup is not None else len(prompts)
+    summary = run_cb(model, prompts, outputs, 0.8, warmup=(prompts[:warm], outputs[:warm]) if warm else None,
+                     timed_context=lambda: prof,
                      max_batch_tokens=args.max_batch_tokens)
     table = prof.key_averages()
     with open(args.out, "w") as fh:

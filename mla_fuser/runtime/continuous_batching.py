@@ -15,6 +15,9 @@ What changes, and how, without patching Transformers' classes:
 * **The attention.**  ``vllm_mla`` serves CB steps itself (``attention_interfaces.ragged``); the manager keeps it
   instead of switching the model to a CB-friendly name, and turns off the paths that need CB's own kernels
   (flash block-table decode, its CUDA graphs).
+* **The read index by page.**  Where the device path reads the pages in place, the engine's host preparation lists
+  one slot per page of each context instead of one per row (:data:`READ_BY_PAGE`): the engine's per-row list, built
+  in Python at every step, was most of a serving step's host time.
 * **One entry point per instance.**  :func:`extend_continuous_batching` binds ``init_continuous_batching`` to the
   fused model (``generate_batch`` and the context manager call it), returning a :class:`LatentContinuousBatching
   Manager`.
