@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mla_fuser import bench_serve  # noqa: E402
-from mla_fuser.bench_serve import percentile as _pct, run_static, workload  # noqa: E402
+from mla_fuser.bench_serve import percentile as _pct, workload  # noqa: E402
 from mla_fuser.presets import build_preset  # noqa: E402
 
 
@@ -481,19 +481,14 @@ def main(argv=None):
         print(json.dumps({k: v for k, v in result.items() if k.startswith("http_over")}), flush=True)
     n_static = args.requests if args.static_requests is None else args.static_requests
     if n_static:
-        result["fused_static"] = run_static(fused, prompts[:n_static], outputs[:n_static], args.static_batch)
-        result["fused_static"]["subset_of_workload"] = n_static < args.requests
+        bench_serve.static_run(result, "fused_static", fused, prompts, outputs, n_static, args.static_batch)
         print(json.dumps(result["fused_static"]), flush=True)
     if args.native_requests:
         del fused
         native = build_preset(args.preset, dtype=dtype, device=args.device, attn_implementation="sdpa", fuse=False)
-        n = args.native_requests
-        result["native_static"] = run_static(native, prompts[:n], outputs[:n], args.native_batch)
-        result["native_static"]["subset_of_workload"] = n < args.requests
+        bench_serve.static_run(result, "native_static", native, prompts, outputs, args.native_requests,
+                               args.native_batch)
         print(json.dumps(result["native_static"]), flush=True)
-    if "fused_static" in result:
-        result["cb_over_fused_static"] = (result["fused_cb"]["output_tok_per_s"]
-                                          / result["fused_static"]["output_tok_per_s"])
     text = json.dumps(result, indent=2)
     if args.out:
         with open(args.out, "w") as fh:

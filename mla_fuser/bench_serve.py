@@ -184,22 +184,14 @@ def plot(result: dict, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def static_and_native(result, fused, load_native, prompts, outputs, static_requests, static_batch, native_requests,
-                      native_batch):
-    """The fused static batches (``static_requests`` of the workload) and the native ones (``native_requests``;
-    ``load_native()`` builds that model once the fused one is no longer needed) into ``result``, with continuous
-    batching over the fused static batches."""
-    if static_requests:
-        result["fused_static"] = run_static(fused, prompts[:static_requests], outputs[:static_requests], static_batch)
-        result["fused_static"]["subset_of_workload"] = static_requests < len(prompts)
-    if native_requests:
-        native = load_native()
-        result["native_static"] = run_static(native, prompts[:native_requests], outputs[:native_requests],
-                                             native_batch)
-        result["native_static"]["subset_of_workload"] = native_requests < len(prompts)
-    if "fused_static" in result and "fused_cb" in result:
-        result["cb_over_fused_static"] = (result["fused_cb"]["output_tok_per_s"]
-                                          / result["fused_static"]["output_tok_per_s"])
+def static_run(result: dict, key: str, model, prompts, outputs, requests: int, batch: int) -> None:
+    """The first ``requests`` of the workload as ``model``'s length-sorted static batches, into ``result[key]``
+    (marked when they are a subset); with the fused model's run (``fused_static``) beside continuous batching's, their
+    ratio ``cb_over_fused_static``."""
+    result[key] = run_static(model, prompts[:requests], outputs[:requests], batch)
+    result[key]["subset_of_workload"] = requests < len(prompts)
+    if key == "fused_static" and "fused_cb" in result:
+        result["cb_over_fused_static"] = result["fused_cb"]["output_tok_per_s"] / result[key]["output_tok_per_s"]
 
 
 def serve_benchmark(load_fused, load_native, name: str, requests=1000, prompt_range=(32, 1024),
@@ -231,11 +223,12 @@ def serve_benchmark(load_fused, load_native, name: str, requests=1000, prompt_ra
         result["fused_cb"]["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
         result["fused_cb"]["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
     static_requests = requests if static_requests is None else static_requests
-    static_and_native(result, fused, None, prompts, outputs, static_requests, static_batch, 0, native_batch)
+    if static_requests:
+        static_run(result, "fused_static", fused, prompts, outputs, static_requests, static_batch)
     del fused
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if native_requests:
-        static_and_native(result, None, load_native, prompts, outputs, 0, static_batch, native_requests, native_batch)
+        static_run(result, "native_static", load_native(), prompts, outputs, native_requests, native_batch)
     return result

@@ -399,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "unquantised fused model runs beside it")
     bench.add_argument("--fp8-cache", action="store_true",
                        help="with --generate: the fused model decodes over a float8 PagedLatentCache")
-    serving = bench.add_argument_group("--serve", "a ragged workload through continuous batching (mla_fuser.bench_serve)")
+    serving = bench.add_argument_group("--serve",
+                                       "a ragged workload through continuous batching (mla_fuser.bench_serve)")
     serving.add_argument("--serve", action="store_true",
                          help="serve a seeded synthetic workload (all requests at once, fixed lengths) through "
                               "Transformers' continuous batching, beside fused and native static batches: output "

@@ -197,7 +197,7 @@ def token_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int) -> tuple[t
     tensors' storage and version (the engine rewrites them in place between steps) and by whether a CUDA graph is
     being captured (a capture must record the computation, not reuse what an eager warm-up left)."""
     def make():
-        _, r, valid = _token_requests(cu_q, tokens)
+        r, valid = _token_requests(cu_q, tokens)
         t = torch.arange(tokens, device=cu_q.device, dtype=torch.int32)
         q_start, q_end, k_start, k_end = cu_q[r], cu_q[r + 1], cu_k[r], cu_k[r + 1]
         ends = k_end - (q_end - q_start) + (t - q_start) + 1  # the context's end, less the request's later queries
@@ -214,21 +214,26 @@ def token_page_bases(cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int, page: 
     a slot per row); 0 for tokens past the last request.  Computed on the device, kept for the latest step as
     :func:`token_bounds` is."""
     def make():
-        _, r, valid = _token_requests(cu_q, tokens)
-        pages = (cu_k[1:] - cu_k[:-1] + page - 1) // page
-        first = torch.cumsum(pages, 0) - pages
-        return torch.where(valid, first[r], 0).to(torch.int32)
+        r, valid = _token_requests(cu_q, tokens)
+        return torch.where(valid, request_page_bases(cu_k, page)[r], 0).to(torch.int32)
 
     return _latest_step(_DEVICE_PAGES, cu_q, cu_k, (tokens, page), make)
 
 
+def request_page_bases(cu_k: torch.Tensor, page: int) -> torch.Tensor:
+    """``[requests]``: where each request's pages begin in a list of every request's pages in request order,
+    ``ceil(context / page)`` each (contexts bounded by ``cu_k``)."""
+    pages = (cu_k[1:] - cu_k[:-1] + page - 1) // page
+    return torch.cumsum(pages, 0) - pages
+
+
 def _token_requests(cu_q: torch.Tensor, tokens: int):
-    """``(requests, r, valid)``: each query token's request (clamped into range) and whether it has one."""
+    """``(r, valid)``: each query token's request (clamped into range) and whether it has one."""
     requests = cu_q.shape[0] - 1
     t = torch.arange(tokens, device=cu_q.device, dtype=torch.int32)
     r = torch.searchsorted(cu_q[1:].contiguous(), t, right=True, out_int32=True)
     valid = r < requests
-    return requests, r.clamp(max=max(requests - 1, 0)).long(), valid
+    return r.clamp(max=max(requests - 1, 0)).long(), valid
 
 
 def _latest_step(store: list, cu_q: torch.Tensor, cu_k: torch.Tensor, extra: tuple, make):

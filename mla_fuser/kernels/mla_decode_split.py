@@ -72,7 +72,8 @@ def mla_decode_split_rows_ref(q, k_rows, v_rows, slots, seq_lens, starts, scale,
 def _split_rows_stage1(Q, QPE, KROWS, SLOTS, SEQ_LENS, STARTS, BASES, O_PART, LSE, OUT, qk_scale, T, H, RANK, RH,
                        NUM_SPLITS, V_SHIFT, stride_qb, stride_qh, stride_eb, stride_eh, stride_kr, stride_pb, stride_ph,
                        stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, TOKENS: tl.constexpr,
-                       GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_VH: tl.constexpr, BLOCK_RH: tl.constexpr,
+                       GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_VH: tl.constexpr, BLOCK_RH: tl.constexpr,
                        HAS_ROPE: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        DOT_UPCAST: tl.constexpr):
     # A program's rows are (token, head) pairs: TOKENS query tokens of H heads each, row r = token r // H, head r % H.

@@ -41,7 +41,9 @@ from ..compat import (
     ATTENTION_NAME, FEATURE_MIN_VERSION, attention_implementation, cb_latent_allocator, cb_latent_row_layout,
     cb_latent_rows,
 )
-from ..attention_interfaces.ragged import LATENT_PAGE, PAGE_READS_KWARG, PAGES_ROWS_ATTR, PagesRows, runs_on_device
+from ..attention_interfaces.ragged import (
+    LATENT_PAGE, PAGE_READS_KWARG, PAGES_ROWS_ATTR, PagesRows, request_page_bases, runs_on_device,
+)
 from ..kernels.latent_gather import latent_gather
 from ..kernels.mla_decode_split import join_split_rows, split_rows_supported
 from ..plans import model_state, plan_of
@@ -215,6 +217,11 @@ def latent_cache_class():
         def split(self) -> bool:
             return split_rows_supported(self.rank, self.rope)
 
+        def reads_in_place(self, tensor: torch.Tensor) -> bool:
+            """Whether a step on ``tensor``'s device reads the pages in place (the split-row kernel): the device
+            path, the split layout, :data:`READ_PAGES_IN_PLACE` (the release's page views are asked apart)."""
+            return READ_PAGES_IN_PLACE and self.split and runs_on_device(tensor)
+
         def _rows(self, kv_c, k_pe):
             """The new tokens' arranged rows ``[1, 1, T, row width]`` cut in the two parts the engine's update writes
             (views of one row tensor): the K and V halves, or the latent allocator's key and value column ranges."""
@@ -254,8 +261,7 @@ def latent_cache_class():
             (``ragged.PagesRows``: the split-row kernel reads them in place, nothing is read back here); None where
             the layout, the release or the device do not allow it."""
             allocator = self.layer_to_allocator[layer_idx]
-            views = (page_views(allocator, layer_idx)
-                     if READ_PAGES_IN_PLACE and self.split and runs_on_device(key_states) else None)
+            views = page_views(allocator, layer_idx) if self.reads_in_place(key_states) else None
             if views is None:
                 return None
             read_index = kwargs["read_index"]
@@ -325,9 +331,7 @@ def context_row_slots(slots: torch.Tensor, cu_k: torch.Tensor, page: int) -> tor
     host path, which reads the bounds on the host."""
     from ..kernels.mla_decode_split import row_slots
 
-    lengths = cu_k[1:] - cu_k[:-1]
-    pages = (lengths + page - 1) // page
-    return row_slots(slots, cu_k[:-1], cu_k[1:], page, torch.cumsum(pages, 0) - pages)
+    return row_slots(slots, cu_k[:-1], cu_k[1:], page, request_page_bases(cu_k, page))
 
 
 def page_reads_of(cache, model) -> int:
@@ -336,7 +340,7 @@ def page_reads_of(cache, model) -> int:
     on a CPU), and the allocators address rows as ``block_table[page] * block_physical_stride + row``; else 0."""
     device = next(model.parameters()).device
     allocators = list(cache.cache_allocators.values())
-    if not (READ_BY_PAGE and READ_PAGES_IN_PLACE and cache.split and runs_on_device(torch.empty(0, device=device))
+    if not (READ_BY_PAGE and cache.reads_in_place(torch.empty(0, device=device))
             and allocators and all(hasattr(a, n) for a in allocators
                                    for n in ("block_table", "block_physical_stride", "tokens_per_page"))):
         return 0
