@@ -17,6 +17,13 @@ capture it in a CUDA graph: every query token, prefill or decode, is one absorbe
 kernel over the step's latent rows, attending the rows ``[start, end)`` of its own request up to its own position
 (the kernel's per-row ``starts`` / ``seq_lens``).  Token-to-request bounds are computed on the device from
 ``cu_seq_lens_q/k``; grid and split count follow from the (padded) shapes only.
+
+Where the rows are read in place (:func:`ragged_mla_attention_in_pages`), the tokens of **fresh prompts** (requests
+whose context is their new tokens alone: nothing cached yet) are computed expanded instead
+(:data:`EXPAND_FRESH_PROMPTS`): per-head K / V of the step's own new latent rows, then causal varlen attention over
+the packed new tokens — sizes fixed by the step's padded token count, as a captured graph needs.  The absorbed
+kernel reads one row for them (its output there is dropped).  Decode tokens and chunks after a cached prefix stay
+absorbed: their contexts' sizes are known on the device only.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 
 _STEP_MEMO: dict = {}  # what every layer of one step shares, computed once per step (see ``_memo``)
 _DEVICE_STEP: list = [None, None]  # (key, per-token bounds) of the latest device step (see ``token_bounds``)
+_DEVICE_FRESH: list = [None, None]  # (key, bounds with fresh prompts cut) of the latest device step (``fresh_bounds``)
 _DEVICE_PAGES: list = [None, None]  # (key, per-token page bases) of the latest device step (``token_page_bases``)
 
 
@@ -208,6 +216,19 @@ def token_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int) -> tuple[t
     return _latest_step(_DEVICE_STEP, cu_q, cu_k, (tokens,), make)
 
 
+def fresh_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int):
+    """``(starts, ends, fresh)``: :func:`token_bounds` with the tokens of fresh prompts (a request whose context is
+    its new tokens alone) cut to their context's first row, and ``fresh`` (bool ``[tokens]``) marking them.  Kept
+    for the latest step as :func:`token_bounds` is."""
+    def make():
+        starts, ends = token_bounds(cu_q, cu_k, tokens)
+        r, valid = _token_requests(cu_q, tokens)
+        fresh = valid & (cu_k[r + 1] - cu_k[r] == cu_q[r + 1] - cu_q[r])
+        return starts, torch.where(fresh, starts + 1, ends), fresh
+
+    return _latest_step(_DEVICE_FRESH, cu_q, cu_k, (tokens,), make)
+
+
 def token_page_bases(cu_q: torch.Tensor, cu_k: torch.Tensor, tokens: int, page: int) -> torch.Tensor:
     """int32 ``[tokens]``: where query token ``t``'s request's pages begin in a list of every request's pages in
     request order, ``ceil(context / page)`` each (what ``LatentPagedAttentionCache`` hands the attention instead of
@@ -311,13 +332,28 @@ class PagesRows(NamedTuple):
     page: int = 0
 
 
+# Fresh prompts of a step whose rows are read in place are attended expanded (``expand`` below); False keeps every
+# token on the absorbed kernel (benchmarks set it for an A/B; never read from the environment).
+EXPAND_FRESH_PROMPTS = True
+
+
 def ragged_mla_attention_in_pages(decode_rows, query, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                                  page: int = 0) -> torch.Tensor:
+                                  page: int = 0, expand=None) -> torch.Tensor:
     """``[1, Tq, H, v]`` with no host read and no copy of the contexts: ``decode_rows(queries [Tq, H, 1, qk], ends,
     starts, page_bases)`` runs every query token over the latent rows of its own request where the engine's pages
     hold them (``kernels.mla_decode_split``; the slots come with ``decode_rows``; ``page_bases`` is None unless they
-    are slots of whole pages of ``page`` rows: :func:`token_page_bases`)."""
+    are slots of whole pages of ``page`` rows: :func:`token_page_bases`).
+
+    ``expand(cu_q)`` -> ``[Tq, H, v]``, when given (and :data:`EXPAND_FRESH_PROMPTS`), attends every request over its
+    own new tokens alone (causal varlen attention on K / V expanded from the step's new latent rows): that is the
+    output of the tokens of fresh prompts (:func:`fresh_bounds`), which the absorbed kernel then reads one row for."""
     tokens = query.shape[2]
-    starts, ends = token_bounds(cu_q, cu_k, tokens)
+    queries = query[0].transpose(0, 1).unsqueeze(2)  # [Tq, H, 1, qk]
     bases = token_page_bases(cu_q, cu_k, tokens, page) if page else None
-    return decode_rows(query[0].transpose(0, 1).unsqueeze(2), ends, starts, bases).transpose(0, 1)
+    if expand is None or not EXPAND_FRESH_PROMPTS:
+        starts, ends = token_bounds(cu_q, cu_k, tokens)
+        return decode_rows(queries, ends, starts, bases).transpose(0, 1)
+    starts, ends, fresh = fresh_bounds(cu_q, cu_k, tokens)
+    absorbed = decode_rows(queries, ends, starts, bases)  # [Tq, 1, H, v]
+    expanded = expand(cu_q).unsqueeze(1)
+    return torch.where(fresh.view(-1, 1, 1, 1), expanded.to(absorbed.dtype), absorbed).transpose(0, 1)

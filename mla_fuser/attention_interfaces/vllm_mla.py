@@ -40,6 +40,7 @@ from ..kernels.fp8.format import FP8_DTYPE, SCALE_NAME  # FP8 kv_b_proj (issue 1
 from ..kernels.fp8.quant import compute_dtype, dequantized_weight
 from ..kernels.mla_attention import masked_softmax, mla_attention
 from ..kernels.mla_decode_split import mla_decode_split_rows
+from ..kernels.varlen_attention import varlen_causal_attention, varlen_causal_supported
 
 try:  # tensor parallelism shards parameters as DTensors
     from torch.distributed.tensor import DTensor as _DTensor
@@ -212,18 +213,25 @@ def left_padding_of(allowed: torch.Tensor, exact=True):
 def _expand_latent(kv_c, k_pe, kv_b, m, heads: int):
     """Per-head K/V from the latent: ``kv_c`` [B, 1, T, rank], ``k_pe`` [B, 1, T, rope] → key ``[B, H, T, qk]``,
     value ``[B, H, T, v]``, exactly as the module's own expansion (``kv_b_proj`` per head ``[k_nope | v]``, the
-    rotary key shared by all heads).  ``kv_b_proj`` is *called*, as the module's own expansion does, so whatever
+    rotary key shared by all heads)."""
+    key, value = _expand_rows(kv_c[:, 0], k_pe[:, 0], kv_b, m, heads)
+    return key.transpose(1, 2), value.transpose(1, 2)
+
+
+def _expand_rows(kv_c, k_pe, kv_b, m, heads: int):
+    """Per-head K/V of latent rows ``kv_c`` [..., T, rank], ``k_pe`` [..., T, rope], token-major: key ``[..., T, H,
+    qk]``, value ``[..., T, H, v]``.  ``kv_b_proj`` is *called*, as the module's own expansion does, so whatever
     wraps it runs: accelerate's offload hooks load its weight, a tensor-parallel plan returns the local heads."""
-    batch, _, kv_len, _ = kv_c.shape
-    kv = local_tensor(kv_b(kv_c[:, 0]))
+    kv = local_tensor(kv_b(kv_c))
     per_head = m.qk_nope_head_dim + m.v_head_dim
     if kv.shape[-1] != heads * per_head:
         raise RuntimeError(
             f"vllm_mla: kv_b_proj gives {kv.shape[-1]} features, the query has {heads} heads x {per_head}"
         )
-    kv = kv.view(batch, kv_len, heads, per_head).transpose(1, 2)
+    kv = kv.view(*kv.shape[:-1], heads, per_head)
     k_nope, value = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
-    key = torch.cat([k_nope, k_pe.to(device=k_nope.device, dtype=k_nope.dtype).expand(-1, heads, -1, -1)], dim=-1)
+    k_pe = k_pe.to(device=k_nope.device, dtype=k_nope.dtype).unsqueeze(-2)
+    key = torch.cat([k_nope, k_pe.expand(*k_pe.shape[:-2], heads, -1)], dim=-1)
     return key, value
 
 
@@ -419,10 +427,26 @@ def _ragged(module, query, kv_c, k_pe, scaling, dropout, softcap, extra, kwargs,
             return with_absorbed_weights(kv_b, plan.match, heads, lambda w_uk, w_uv, b_v: _split_rows_decode(
                 queries, rows, ends, starts, bases, scale, w_uk, w_uv, b_v, plan.match))
 
-        return ragged.ragged_mla_attention_in_pages(decode_rows, query, cu_q, cu_k, rows.page)
+        expand = _fresh_prompts_expanded(kv_b, plan.match, query, kv_c, k_pe, scale)
+        return ragged.ragged_mla_attention_in_pages(decode_rows, query, cu_q, cu_k, rows.page, expand)
     if device_path:
         return ragged.ragged_mla_attention_on_device(decode, query, kv_c, k_pe, cu_q, cu_k)
     return ragged.ragged_mla_attention(attend, query, kv_c, k_pe, cu_q, cu_k, decode)
+
+
+def _fresh_prompts_expanded(kv_b, m, query, kv_c, k_pe, scale):
+    """``expand(cu_q)`` -> ``[Tq, H, v]`` for ``ragged.ragged_mla_attention_in_pages``: the step's new latent rows
+    (``kv_c`` / ``k_pe`` ``[1, 1, Tq, .]``, what the in-place cache update returns) expanded through ``kv_b_proj``,
+    then causal varlen attention of every request over its own new tokens (exact for fresh prompts: their new tokens
+    are their whole context); None where the varlen kernel cannot take the shapes (the absorbed kernel serves all)."""
+    if query.shape[2] < 2 or not varlen_causal_supported(query, m.v_head_dim):
+        return None
+
+    def expand(cu_q):
+        key, value = _expand_rows(kv_c[0, 0], k_pe[0, 0], kv_b, m, query.shape[1])  # [Tq, H, qk], [Tq, H, v]
+        return varlen_causal_attention(query[0].transpose(0, 1), key, value, cu_q, query.shape[2], scale)
+
+    return expand
 
 
 def _split_rows_decode(query, rows, ends, starts, bases, scale, w_uk, w_uv, b_v, m):
