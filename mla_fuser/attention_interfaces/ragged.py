@@ -19,11 +19,12 @@ kernel over the step's latent rows, attending the rows ``[start, end)`` of its o
 ``cu_seq_lens_q/k``; grid and split count follow from the (padded) shapes only.
 
 Where the rows are read in place (:func:`ragged_mla_attention_in_pages`), the tokens of **fresh prompts** (requests
-whose context is their new tokens alone: nothing cached yet) are computed expanded instead
-(:data:`EXPAND_FRESH_PROMPTS`): per-head K / V of the step's own new latent rows, then causal varlen attention over
-the packed new tokens — sizes fixed by the step's padded token count, as a captured graph needs.  The absorbed
-kernel reads one row for them (its output there is dropped).  Decode tokens and chunks after a cached prefix stay
-absorbed: their contexts' sizes are known on the device only.
+whose context is their new tokens alone: nothing cached yet) can be computed expanded instead
+(:data:`EXPAND_FRESH_PROMPTS`, off by default until measured in a whole serving run): per-head K / V of the
+step's own new latent rows, then causal varlen attention over the packed new tokens — sizes fixed by the step's
+padded token count, as a captured graph needs.  The absorbed kernel reads one row for them (its output there is
+dropped).  Decode tokens and chunks after a cached prefix stay absorbed: their contexts' sizes are known on the
+device only.
 """
 
 from __future__ import annotations
@@ -332,9 +333,12 @@ class PagesRows(NamedTuple):
     page: int = 0
 
 
-# Fresh prompts of a step whose rows are read in place are attended expanded (``expand`` below); False keeps every
-# token on the absorbed kernel (benchmarks set it for an A/B; never read from the environment).
-EXPAND_FRESH_PROMPTS = True
+# True: fresh prompts of a step whose rows are read in place are attended expanded (``expand`` below).  Off by default
+# until a whole serving run says so: on an H100 the expanded arm served 4 x 2048-token fresh prefills in 600 us
+# against the absorbed kernel's 1498 (16 heads, ``bench_split_rows.py``), but the one serving run with it on gave
+# 8363 output tokens/s where the absorbed path had given 11247 on another day, and the same-process A/B
+# (``bench_serving.py --ab-constant ...:EXPAND_FRESH_PROMPTS=1``) has not run.  Never read from the environment.
+EXPAND_FRESH_PROMPTS = False
 
 
 def ragged_mla_attention_in_pages(decode_rows, query, cu_q: torch.Tensor, cu_k: torch.Tensor,

@@ -214,14 +214,14 @@ def _expand_latent(kv_c, k_pe, kv_b, m, heads: int):
     """Per-head K/V from the latent: ``kv_c`` [B, 1, T, rank], ``k_pe`` [B, 1, T, rope] → key ``[B, H, T, qk]``,
     value ``[B, H, T, v]``, exactly as the module's own expansion (``kv_b_proj`` per head ``[k_nope | v]``, the
     rotary key shared by all heads)."""
-    key, value = _expand_rows(kv_c[:, 0], k_pe[:, 0], kv_b, m, heads)
-    return key.transpose(1, 2), value.transpose(1, 2)
+    return _expand_rows(kv_c[:, 0], k_pe[:, 0], kv_b, m, heads, heads_first=True)
 
 
-def _expand_rows(kv_c, k_pe, kv_b, m, heads: int):
+def _expand_rows(kv_c, k_pe, kv_b, m, heads: int, heads_first: bool = False):
     """Per-head K/V of latent rows ``kv_c`` [..., T, rank], ``k_pe`` [..., T, rope], token-major: key ``[..., T, H,
-    qk]``, value ``[..., T, H, v]``.  ``kv_b_proj`` is *called*, as the module's own expansion does, so whatever
-    wraps it runs: accelerate's offload hooks load its weight, a tensor-parallel plan returns the local heads."""
+    qk]``, value ``[..., T, H, v]`` (``heads_first``: ``[..., H, T, .]``, the key contiguous as SDPA's prefill has
+    always had it).  ``kv_b_proj`` is *called*, as the module's own expansion does, so whatever wraps it runs:
+    accelerate's offload hooks load its weight, a tensor-parallel plan returns the local heads."""
     kv = local_tensor(kv_b(kv_c))
     per_head = m.qk_nope_head_dim + m.v_head_dim
     if kv.shape[-1] != heads * per_head:
@@ -229,9 +229,11 @@ def _expand_rows(kv_c, k_pe, kv_b, m, heads: int):
             f"vllm_mla: kv_b_proj gives {kv.shape[-1]} features, the query has {heads} heads x {per_head}"
         )
     kv = kv.view(*kv.shape[:-1], heads, per_head)
+    if heads_first:
+        kv = kv.transpose(-3, -2)
     k_nope, value = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
-    k_pe = k_pe.to(device=k_nope.device, dtype=k_nope.dtype).unsqueeze(-2)
-    key = torch.cat([k_nope, k_pe.expand(*k_pe.shape[:-2], heads, -1)], dim=-1)
+    k_pe = k_pe.to(device=k_nope.device, dtype=k_nope.dtype).unsqueeze(-3 if heads_first else -2)
+    key = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], -1)], dim=-1)
     return key, value
 
 
