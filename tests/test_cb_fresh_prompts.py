@@ -104,14 +104,12 @@ def _attend(step, expand_with=None):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_fresh_prompts_expanded_equal_the_absorbed_kernel(monkeypatch, seed):
+def test_fresh_prompts_expanded_equal_the_absorbed_kernel(seed):
     """A step of fresh prompts (7 and 1 tokens), a decode token, a chunk after a cached prefix: attended with the fresh
     prompts expanded, every real token's output equals the all-absorbed step's; with an expansion that returns zeros,
     exactly the fresh prompts' tokens are zero (their output comes from the expansion, the rest from the kernel)."""
-    from mla_fuser.attention_interfaces import ragged
     from mla_fuser.kernels.varlen_attention import varlen_causal_attention
 
-    monkeypatch.setattr(ragged, "EXPAND_FRESH_PROMPTS", True)  # (off by default)
     step = _step(torch.Generator().manual_seed(seed), [(0, 7), (9, 1), (6, 4), (0, 1)])
     real = int(step[6][-1])
     absorbed = _attend(step)

@@ -348,13 +348,14 @@ def ragged_mla_attention_in_pages(decode_rows, query, cu_q: torch.Tensor, cu_k: 
     hold them (``kernels.mla_decode_split``; the slots come with ``decode_rows``; ``page_bases`` is None unless they
     are slots of whole pages of ``page`` rows: :func:`token_page_bases`).
 
-    ``expand(cu_q)`` -> ``[Tq, H, v]``, when given (and :data:`EXPAND_FRESH_PROMPTS`), attends every request over its
-    own new tokens alone (causal varlen attention on K / V expanded from the step's new latent rows): that is the
-    output of the tokens of fresh prompts (:func:`fresh_bounds`), which the absorbed kernel then reads one row for."""
+    ``expand(cu_q)`` -> ``[Tq, H, v]``, when given (callers pass it only while :data:`EXPAND_FRESH_PROMPTS`), attends
+    every request over its own new tokens alone (causal varlen attention on K / V expanded from the step's new latent
+    rows): that is the output of the tokens of fresh prompts (:func:`fresh_bounds`), which the absorbed kernel then
+    reads one row for."""
     tokens = query.shape[2]
     queries = query[0].transpose(0, 1).unsqueeze(2)  # [Tq, H, 1, qk]
     bases = token_page_bases(cu_q, cu_k, tokens, page) if page else None
-    if expand is None or not EXPAND_FRESH_PROMPTS:
+    if expand is None:
         starts, ends = token_bounds(cu_q, cu_k, tokens)
         return decode_rows(queries, ends, starts, bases).transpose(0, 1)
     starts, ends, fresh = fresh_bounds(cu_q, cu_k, tokens)

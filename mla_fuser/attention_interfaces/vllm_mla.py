@@ -440,8 +440,9 @@ def _fresh_prompts_expanded(kv_b, m, query, kv_c, k_pe, scale):
     """``expand(cu_q)`` -> ``[Tq, H, v]`` for ``ragged.ragged_mla_attention_in_pages``: the step's new latent rows
     (``kv_c`` / ``k_pe`` ``[1, 1, Tq, .]``, what the in-place cache update returns) expanded through ``kv_b_proj``,
     then causal varlen attention of every request over its own new tokens (exact for fresh prompts: their new tokens
-    are their whole context); None where the varlen kernel cannot take the shapes (the absorbed kernel serves all)."""
-    if query.shape[2] < 2 or not varlen_causal_supported(query, m.v_head_dim):
+    are their whole context); None while ``ragged.EXPAND_FRESH_PROMPTS`` is off or where the varlen kernel cannot take
+    the shapes (the absorbed kernel serves all: nothing of this runs, per layer, per step)."""
+    if not ragged.EXPAND_FRESH_PROMPTS or query.shape[2] < 2 or not varlen_causal_supported(query, m.v_head_dim):
         return None
 
     def expand(cu_q):
