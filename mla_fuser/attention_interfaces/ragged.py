@@ -20,7 +20,7 @@ kernel over the step's latent rows, attending the rows ``[start, end)`` of its o
 
 Where the rows are read in place (:func:`ragged_mla_attention_in_pages`), the tokens of **fresh prompts** (requests
 whose context is their new tokens alone: nothing cached yet) can be computed expanded instead
-(:data:`EXPAND_FRESH_PROMPTS`, off by default until measured in a whole serving run): per-head K / V of the
+(:data:`EXPAND_FRESH_PROMPTS`, off by default: whole serving runs were slower with it): per-head K / V of the
 step's own new latent rows, then causal varlen attention over the packed new tokens — sizes fixed by the step's
 padded token count, as a captured graph needs.  The absorbed kernel reads one row for them (its output there is
 dropped).  Decode tokens and chunks after a cached prefix stay absorbed: their contexts' sizes are known on the
@@ -333,11 +333,11 @@ class PagesRows(NamedTuple):
     page: int = 0
 
 
-# True: fresh prompts of a step whose rows are read in place are attended expanded (``expand`` below).  Off by default
-# until a whole serving run says so: on an H100 the expanded arm served 4 x 2048-token fresh prefills in 600 us
-# against the absorbed kernel's 1498 (16 heads, ``bench_split_rows.py``), but the one serving run with it on gave
-# 8363 output tokens/s where the absorbed path had given 11247 on another day, and the same-process A/B
-# (``bench_serving.py --ab-constant ...:EXPAND_FRESH_PROMPTS=1``) has not run.  Never read from the environment.
+# True: fresh prompts of a step whose rows are read in place are attended expanded (``expand`` below).  Off: alone
+# the expanded arm is faster (on an H100 4 x 2048-token fresh prefills in 600 us against the absorbed kernel's 1498,
+# 16 heads, ``bench_split_rows.py``), but whole serving runs on the H200 were slower with it on (9952 and 10,024
+# output tokens/s against 15,924 and 15,535 off, TPOT p50 61 against 37 ms, two rounds of ``bench_serving.py
+# --ab-constant ...:EXPAND_FRESH_PROMPTS=1`` in one process).  Never read from the environment.
 EXPAND_FRESH_PROMPTS = False
 
 
