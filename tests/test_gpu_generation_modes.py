@@ -203,7 +203,9 @@ def test_a_callers_cache_holding_a_previous_turn_runs_graphed_and_agrees_with_na
     new_ref, new_out = ref[:, ids.shape[1]:], out[:, ids.shape[1]:]
     first = [(r != o).nonzero()[0].item() if (r != o).any() else r.numel() for r, o in zip(new_ref, new_out)]
     RESULTS[f"held_{kind}_cache_first_divergence"] = first
-    gaps = divergence_gaps(native, out, mask, ids.shape[1], first, new_ref)
+    again = callers_cache(kind, native, 64 + NEW_TOKENS)  # the gaps read on the path of the reference: the same
+    native(input_ids=ids[:, :held], attention_mask=mask[:, :held], **{keyword: again}, use_cache=True)  # held turn
+    gaps = divergence_gaps(native, out, mask, ids.shape[1], first, new_ref, **{keyword: again})
     RESULTS[f"held_{kind}_cache_divergence_logit_gaps"] = gaps
     assert max(gaps, default=0.0) < TOLERANCE, f"fused and native split on a clear preference: {gaps}"
 

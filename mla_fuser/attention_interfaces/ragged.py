@@ -337,7 +337,10 @@ class PagesRows(NamedTuple):
 # the expanded arm is faster (on an H100 4 x 2048-token fresh prefills in 600 us against the absorbed kernel's 1498,
 # 16 heads, ``bench_split_rows.py``), but whole serving runs on the H200 were slower with it on (9952 and 10,024
 # output tokens/s against 15,924 and 15,535 off, TPOT p50 61 against 37 ms, two rounds of ``bench_serving.py
-# --ab-constant ...:EXPAND_FRESH_PROMPTS=1`` in one process).  Never read from the environment.
+# --ab-constant ...:EXPAND_FRESH_PROMPTS=1`` in one process).  The likely reason, from the code, not profiled: the
+# expansion runs kv_b_proj and the varlen pass over every token of every in-place step with two or more tokens (all
+# of the step's padded size: which tokens are fresh is known on the device only), decode-only steps included, and
+# keeps only the fresh prompts' rows.  Never read from the environment.
 EXPAND_FRESH_PROMPTS = False
 
 
