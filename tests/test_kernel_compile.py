@@ -202,3 +202,20 @@ def test_router_logits_kernel_compiles(bias, block_e):
     ptx = _ptx(_logits_kernel, pointers, dict(BLOCK_E=block_e, BLOCK_H=block_h, HAS_BIAS=bias), num_warps=warps)
     assert _count(ptx, "mma.sync") == 0 and "wgmma" not in ptx
     assert _count(ptx, "cvt.f32.bf16") > 0 or _count(ptx, "shl.b32") > 0  # (bf16 -> fp32 is a shift in PTX)
+
+
+@pytest.mark.parametrize("starts", [False, True])
+def test_decode_kernel_compiles_with_head_groups(starts):
+    """The bf16 decode kernel at its H=16 defaults and with head groups of 8: both compile for sm_90, and a head
+    group runs the very MMAs of a whole 16-head tile (its other rows are masked, not a smaller dot)."""
+    from mla_fuser.kernels.mla_decode import _mla_decode_stage1
+
+    pointers = {p: "*bf16" for p in ("Q", "QR", "KV", "OUT")}
+    pointers.update({"BT": "*i32", "SEQ_LENS": "*i32", "STARTS": "*i32", "O_PART": "*fp32", "LSE": "*fp32",
+                     "qk_scale": "fp32"})
+    consts = dict(PAGE_SIZE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_V=512, BLOCK_R=64, HAS_ROPE=True, EVEN_V=True,
+                  EVEN_R=True, PER_ROW_PAGES=False, DIRECT_OUT=False, DOT_PRECISION="tf32", DOT_UPCAST=False,
+                  SWAP_AB=False, HAS_STARTS=starts)
+    whole = _ptx(_mla_decode_stage1, pointers, dict(consts, HEAD_GROUP=16))
+    grouped = _ptx(_mla_decode_stage1, pointers, dict(consts, HEAD_GROUP=8))
+    assert _count(whole, "mma.sync") == _count(grouped, "mma.sync") > 0

@@ -96,9 +96,7 @@ _LOG2E = 1.4426950408889634
 MIN_TILES_PER_SPLIT = 1
 
 
-# --------------------------------------------------------------------------------------------
-# Torch reference
-# --------------------------------------------------------------------------------------------
+# ---- Torch reference ----
 
 
 def mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim, starts=None):
@@ -138,9 +136,7 @@ def mla_decode_ref(q, kv_pages, block_table, seq_lens, scale, v_dim, starts=None
     return out.to(q.dtype)
 
 
-# --------------------------------------------------------------------------------------------
-# Triton kernels
-# --------------------------------------------------------------------------------------------
+# ---- Triton kernels ----
 
 
 @lazy_jit(do_not_specialize=("NUM_SPLITS", "stride_btb", "stride_lb", "stride_lh"))
@@ -154,7 +150,7 @@ def _mla_decode_stage1(
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_R: tl.constexpr, HAS_ROPE: tl.constexpr, EVEN_V: tl.constexpr, EVEN_R: tl.constexpr,
     PER_ROW_PAGES: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    SWAP_AB: tl.constexpr, HAS_STARTS: tl.constexpr,
+    SWAP_AB: tl.constexpr, HAS_STARTS: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -174,8 +170,10 @@ def _mla_decode_stage1(
     t_start = first + pid_s * tiles_per_split * BLOCK_N
     t_end = tl.minimum(t_start + tiles_per_split * BLOCK_N, seq_len)
 
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
+    # HEAD_GROUP heads per program (<= BLOCK_H, the MMA's rows: the others are masked; BLOCK_H: all, folded away)
+    offs_g = tl.arange(0, BLOCK_H)
+    offs_h = pid_h * HEAD_GROUP + offs_g
+    mask_h = (offs_g < HEAD_GROUP) & (offs_h < H)
     offs_v = tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.arange(0, BLOCK_N)
@@ -339,9 +337,7 @@ def _mla_decode_stage2(
     tl.store(OUT + b * stride_ob + h * stride_oh + offs_v, out.to(OUT.dtype.element_ty), mask=mask_v)
 
 
-# --------------------------------------------------------------------------------------------
-# Launch configuration
-# --------------------------------------------------------------------------------------------
+# ---- Launch configuration ----
 
 
 @dataclass(frozen=True)
@@ -359,6 +355,9 @@ class MLADecodeConfig:
       dimension is the token tile / v_dim rather than the (small) head tile.
     * ``ctas_per_sm``: how many programs of this config one SM holds at once (registers / shared
       memory); only used by :func:`choose_num_splits` to size the grid, never by the kernel.
+    * ``head_group``: heads per program when fewer than ``block_h`` (0: ``block_h``; ``mla_decode``
+      only): the MMA's other rows are masked.  ``H / head_group`` programs per split, reading the same
+      tiles (mostly from L2), so the split search picks fewer, longer splits with smaller partials.
     """
 
     block_h: int = 16
@@ -367,6 +366,7 @@ class MLADecodeConfig:
     num_stages: int = 2
     swap_ab: bool = False
     ctas_per_sm: int = 2
+    head_group: int = 0
 
 
 @functools.lru_cache(maxsize=None)  # (asked on every call; frozen config)
@@ -461,9 +461,7 @@ def choose_num_splits(
     return best
 
 
-# --------------------------------------------------------------------------------------------
-# Launcher
-# --------------------------------------------------------------------------------------------
+# ---- Launcher ----
 
 
 def split_partials(out: torch.Tensor, num_splits: int, width: int):
@@ -499,6 +497,17 @@ def dot_mode(dtype: torch.dtype) -> tuple[str, bool]:
     upcast = dtype == torch.bfloat16 and triton_interpreting()
     return ("ieee" if (dtype == torch.float32 or upcast) else "tf32"), upcast
 
+def head_group_of(cfg, block_h: int) -> int:
+    """Heads per program of ``cfg``'s launch in ``block_h``-row tiles (its ``head_group``, else ``block_h``)."""
+    return cfg.head_group if 0 < getattr(cfg, "head_group", 0) < block_h else block_h
+
+
+def check_no_head_groups(cfg, block_h: int, kernel: str) -> None:
+    """For the latent decode launchers whose kernels take whole head tiles only."""
+    if head_group_of(cfg, block_h) != block_h:
+        raise ValueError(f"{kernel} takes whole head tiles: head_group={cfg.head_group} is mla_decode's only")
+
+
 # What the last Triton launch used (stage-1 compiled kernel, split count, tiles): for benchmarks
 # (registers / spills via ``LAST_LAUNCH["stage1"].n_regs``), never read by the kernels.
 LAST_LAUNCH: dict = {}
@@ -519,7 +528,7 @@ def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_spl
     block_n, per_row = _tile_n(cfg.block_n, page_size)
     block_v = max(16, next_pow2(v_dim))
     block_r = max(16, next_pow2(rope)) if rope > 0 else 16
-    head_tiles = cdiv(H, block_h)
+    head_tiles = cdiv(H, head_group_of(cfg, block_h))
     if num_splits is None:
         num_splits = choose_num_splits(B, head_tiles, max_pages, page_size, block_n, _num_sms(dev), cfg.ctas_per_sm)
     num_splits = max(1, int(num_splits))
@@ -618,20 +627,10 @@ def mla_decode_triton(
         float(scale) * _LOG2E, H, v_dim, rope, num_splits,
         q_st[0], q_st[1], qr_st[0], qr_st[1], kv_st[0], kv_st[1], block_table.stride(0),
         *sp, *sl, out_st[0], out_st[1],
-        PAGE_SIZE=page_size,
-        BLOCK_H=block_h,
-        BLOCK_N=block_n,
-        BLOCK_V=block_v,
-        BLOCK_R=block_r,
-        HAS_ROPE=rope > 0,
-        EVEN_V=block_v == v_dim,
-        EVEN_R=block_r == rope,
-        PER_ROW_PAGES=per_row,
-        DIRECT_OUT=direct,
-        DOT_PRECISION=dot_precision,
-        DOT_UPCAST=dot_upcast,
-        SWAP_AB=bool(cfg.swap_ab),
-        HAS_STARTS=starts is not None,
+        PAGE_SIZE=page_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_R=block_r, HAS_ROPE=rope > 0,
+        EVEN_V=block_v == v_dim, EVEN_R=block_r == rope, PER_ROW_PAGES=per_row, DIRECT_OUT=direct,
+        DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast, SWAP_AB=bool(cfg.swap_ab), HAS_STARTS=starts is not None,
+        HEAD_GROUP=head_group_of(cfg, block_h),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -642,9 +641,7 @@ def mla_decode_triton(
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# Custom op + public entry point
-# --------------------------------------------------------------------------------------------
+# ---- Custom op + public entry point ----
 
 
 @kernel_op("mla_decode")
