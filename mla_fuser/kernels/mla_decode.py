@@ -497,6 +497,7 @@ def dot_mode(dtype: torch.dtype) -> tuple[str, bool]:
     upcast = dtype == torch.bfloat16 and triton_interpreting()
     return ("ieee" if (dtype == torch.float32 or upcast) else "tf32"), upcast
 
+
 def head_group_of(cfg, block_h: int) -> int:
     """Heads per program of ``cfg``'s launch in ``block_h``-row tiles (its ``head_group``, else ``block_h``)."""
     return cfg.head_group if 0 < getattr(cfg, "head_group", 0) < block_h else block_h
