@@ -188,9 +188,13 @@ def test_a_callers_cache_holding_a_previous_turn_runs_graphed_and_agrees_with_na
     mla_fuser.release_decode_graphs(fused)
     ids, mask = (t.cuda() for t in left_padded_prompts([40, 64], native.config.vocab_size, seed=4))
     held, keyword = 48, cache_keyword(fused)
-    mine, theirs = (callers_cache(kind, model, 64 + NEW_TOKENS) for model in (fused, native))
-    fused(input_ids=ids[:, :held], attention_mask=mask[:, :held], **{keyword: mine}, use_cache=True)
-    native(input_ids=ids[:, :held], attention_mask=mask[:, :held], **{keyword: theirs}, use_cache=True)
+
+    def held_turn(model):  # a cache of the caller's kind holding the conversation's first `held` tokens
+        cache = callers_cache(kind, model, 64 + NEW_TOKENS)
+        model(input_ids=ids[:, :held], attention_mask=mask[:, :held], **{keyword: cache}, use_cache=True)
+        return cache
+
+    mine, theirs = held_turn(fused), held_turn(native)
     kw = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
               disable_compile=True)
     ref = native.generate(ids, **{keyword: theirs}, **kw)
@@ -203,9 +207,8 @@ def test_a_callers_cache_holding_a_previous_turn_runs_graphed_and_agrees_with_na
     new_ref, new_out = ref[:, ids.shape[1]:], out[:, ids.shape[1]:]
     first = [(r != o).nonzero()[0].item() if (r != o).any() else r.numel() for r, o in zip(new_ref, new_out)]
     RESULTS[f"held_{kind}_cache_first_divergence"] = first
-    again = callers_cache(kind, native, 64 + NEW_TOKENS)  # the gaps read on the path of the reference: the same
-    native(input_ids=ids[:, :held], attention_mask=mask[:, :held], **{keyword: again}, use_cache=True)  # held turn
-    gaps = divergence_gaps(native, out, mask, ids.shape[1], first, new_ref, **{keyword: again})
+    # the gaps read on the reference's own path: native's generate over a cache holding the same turn
+    gaps = divergence_gaps(native, out, mask, ids.shape[1], first, new_ref, **{keyword: held_turn(native)})
     RESULTS[f"held_{kind}_cache_divergence_logit_gaps"] = gaps
     assert max(gaps, default=0.0) < TOLERANCE, f"fused and native split on a clear preference: {gaps}"
 

@@ -223,7 +223,7 @@ def test_triton_head_groups(interp, dtype):
         for ns in (1, 3, None):
             out = md.mla_decode_triton(q, kv, bt, sl, 0.2, 32, num_splits=ns, config=cfg, starts=starts)
             _check(out, ref, dtype)
-    plan = md._launch_plan(2, 16, 512, 64, 64, 16, torch.bfloat16, cfg, None, None)
+    plan = md._launch_plan(2, 16, 512, 64, 64, 16, torch.bfloat16, cfg, None, None, head_groups=True)
     whole = md._launch_plan(2, 16, 512, 64, 64, 16, torch.bfloat16, md.MLADecodeConfig(16, 16, 4, 2), None, None)
     assert (plan[6], whole[6]) == (4, 1)  # head tiles
     assert plan[7] <= whole[7]  # four times the programs per split: no more splits

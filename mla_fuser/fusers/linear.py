@@ -13,17 +13,13 @@ base layer) still run.
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import nn
 
-from .. import envs
 from ..kernels.skinny_linear import skinny_linear
 from .base import bind_instance_forward
 
 
 def _skinny_forward(self: nn.Linear, input):
-    if not (input.is_cuda or envs.triton_interpreting()):  # an eager CPU call: nn.Linear.forward's own F.linear
-        return F.linear(input, self.weight, self.bias)
     return skinny_linear(input, self.weight, self.bias)
 
 

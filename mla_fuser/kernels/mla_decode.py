@@ -503,24 +503,20 @@ def head_group_of(cfg, block_h: int) -> int:
     return cfg.head_group if 0 < getattr(cfg, "head_group", 0) < block_h else block_h
 
 
-def check_no_head_groups(cfg, block_h: int, kernel: str) -> None:
-    """For the latent decode launchers whose kernels take whole head tiles only."""
-    if head_group_of(cfg, block_h) != block_h:
-        raise ValueError(f"{kernel} takes whole head tiles: head_group={cfg.head_group} is mla_decode's only")
-
-
 # What the last Triton launch used (stage-1 compiled kernel, split count, tiles): for benchmarks
 # (registers / spills via ``LAST_LAUNCH["stage1"].n_regs``), never read by the kernels.
 LAST_LAUNCH: dict = {}
 
 
 @functools.lru_cache(maxsize=4096)  # pure function of ints, a dtype and a frozen config, asked on every eager call
-def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_splits, dev, tiles=None):
+def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_splits, dev, tiles=None,
+                 head_groups=False):
     """What one launch shape needs, computed once: ``(cfg, block_h, block_n, per_row, block_v, block_r, head_tiles,
     num_splits, block_s, block_vc)``; ``cfg`` is ``config``, else the tuned tiles of ``(H, v_dim, rope)`` on this
     GPU in table ``tiles`` (a path, ``decode_tiles``; None where H does not count heads), else the default for
     ``(H, dtype)``; ``dev`` the CUDA device index (None off CUDA), whose SM count sizes the split search when
-    ``num_splits`` is None."""
+    ``num_splits`` is None; ``head_groups``: the launcher's kernel takes ``MLADecodeConfig.head_group`` (else a
+    config with head groups is refused)."""
     tuned = None
     if config is None and tiles is not None:
         tuned = decode_tiles.tuned_tiles(H, v_dim, rope, dtype, dev, tiles)
@@ -529,7 +525,10 @@ def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_spl
     block_n, per_row = _tile_n(cfg.block_n, page_size)
     block_v = max(16, next_pow2(v_dim))
     block_r = max(16, next_pow2(rope)) if rope > 0 else 16
-    head_tiles = cdiv(H, head_group_of(cfg, block_h))
+    group = head_group_of(cfg, block_h)
+    if group != block_h and not head_groups:
+        raise ValueError(f"this decode launcher takes whole head tiles: head_group={group} is mla_decode's only")
+    head_tiles = cdiv(H, group)
     if num_splits is None:
         num_splits = choose_num_splits(B, head_tiles, max_pages, page_size, block_n, _num_sms(dev), cfg.ctas_per_sm)
     num_splits = max(1, int(num_splits))
@@ -539,10 +538,12 @@ def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_spl
     return cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc
 
 
-def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: int = 0, rows=None):
+def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: int = 0, rows=None,
+                head_groups: bool = False):
     """:func:`_launch_plan` for the absorbed query ``q [B, H, D]`` (every latent decode launcher plans here), or its
     latent part when the rope part (``rope_apart`` wide) is a tensor of its own; ``rows``: ``(programs along B, rows
-    per program)`` when they are not ``(B, H)`` (``mla_decode_split``'s grouped tokens)."""
+    per program)`` when they are not ``(B, H)`` (``mla_decode_split``'s grouped tokens); ``head_groups``: as
+    :func:`_launch_plan`'s (``mla_decode`` only)."""
     dev = None  # the device whose tuned tiles apply and whose SM count sizes the split search
     if q.is_cuda:
         dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -550,7 +551,7 @@ def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: 
     B, H = (B, H) if rows is None else rows
     tiles = decode_tiles.table_path() if dev is not None and rows is None and config is None else None
     return _launch_plan(B, H, v_dim, D + rope_apart - v_dim, page_size, max_pages, q.dtype, config, num_splits, dev,
-                        tiles)
+                        tiles, head_groups)
 
 
 def _check_inputs(q, kv_pages, block_table, seq_lens, v_dim, q_rope=None):
@@ -615,7 +616,7 @@ def mla_decode_triton(
     max_pages = block_table.shape[1]
 
     cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc = launch_plan(
-        q, v_dim, page_size, max_pages, config, num_splits, D - q.shape[-1])
+        q, v_dim, page_size, max_pages, config, num_splits, D - q.shape[-1], head_groups=True)
     direct = num_splits == 1
     o_part, lse, sp, sl = split_partials(out, num_splits, v_dim)
     dot_precision, dot_upcast = dot_mode(q.dtype)

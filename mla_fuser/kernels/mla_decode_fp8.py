@@ -47,8 +47,8 @@ from .dispatch import (
 )
 from .latent_fp8 import FP8_DTYPE, dequantise_rows, packed_width, scale_column
 from .mla_decode import (
-    _LOG2E, LAST_LAUNCH, MLADecodeConfig, check_no_head_groups, default_config, dot_mode, launch_plan, merge_splits,
-    mla_decode_ref, split_partials,
+    _LOG2E, LAST_LAUNCH, MLADecodeConfig, default_config, dot_mode, launch_plan, merge_splits, mla_decode_ref,
+    split_partials,
 )
 from .paged_cpu import mla_decode_cpu
 
@@ -338,7 +338,6 @@ def mla_decode_fp8_triton(q, kv_pages, block_table, seq_lens, scale, v_dim, num_
         return out
     cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc = launch_plan(
         q, v_dim, page_size, block_table.shape[1], config or default_fp8_config(H, q.dtype), num_splits)
-    check_no_head_groups(cfg, block_h, "mla_decode_fp8")
     v_split = 2 if getattr(cfg, "v_split", 1) == 2 and block_v >= 32 else 1  # (a dot's K: chunks of >= 16 columns)
     shared_cvt = bool(getattr(cfg, "shared_cvt", False))
     f16_dots = bool(getattr(cfg, "f16_dots", False)) and q.dtype != torch.float32

@@ -27,8 +27,8 @@ import torch
 
 from .dispatch import MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, next_pow2, tl, use_triton
 from .mla_decode import (
-    _LOG2E, MLADecodeConfig, _tile_n, check_no_head_groups, default_config, dot_mode, launch_plan, merge_splits,
-    mla_decode_ref, split_partials,
+    _LOG2E, MLADecodeConfig, _tile_n, default_config, dot_mode, launch_plan, merge_splits, mla_decode_ref,
+    split_partials,
 )
 
 __all__ = ["split_rows_supported", "mla_decode_split_rows", "mla_decode_split_rows_ref", "join_split_rows", "row_slots"]
@@ -255,7 +255,6 @@ def mla_decode_split_rows_triton(q, k_rows, v_rows, slots, seq_lens, starts, sca
     rh = rope // 2
     qe_strides = (q_pe.stride(0), q_pe.stride(1)) if rope else (0, 0)
     for tokens, (cfg, block_h, block_n, _, _, _, head_tiles, _, block_s, block_vc) in plans:
-        check_no_head_groups(cfg, block_h, "mla_decode_split_rows")
         _split_rows_stage1[(head_tiles, num_splits, cdiv(T, tokens))](
             q_lat, q_pe if rope else q_lat, k_rows, slots, seq_lens, starts, page_bases if page else starts, o_part,
             lse, out, float(scale) * _LOG2E, T, H, rank, rh, num_splits, v_shift, q_lat.stride(0), q_lat.stride(1),
