@@ -59,8 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=PAGE)
     p.add_argument("--num-splits", type=int, default=None, help="force the KV split count (default: auto)")
     p.add_argument("--config", default=None,
-                   help="force a tile config: BLOCK_H,BLOCK_N,num_warps,num_stages[,swap_ab 0/1[,ctas_per_sm"
-                        "[,head_group]]]")
+                   help="force a tile config: BLOCK_H,BLOCK_N,num_warps,num_stages[,swap_ab 0/1[,ctas_per_sm]]")
     p.add_argument("--sweep", action="store_true", help="also time a grid of tile configs per case")
     p.add_argument("--sweep-splits", action="store_true", help="also time several split counts per case")
     p.add_argument("--sweep-joint", action="store_true",
@@ -97,8 +96,8 @@ def parse_args(argv=None):
         args.sweep_shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.sweep_shapes.split(",") if s]
     if args.config:
         parts = [int(x) for x in args.config.split(",")]
-        if not 4 <= len(parts) <= 7:
-            p.error("--config needs BLOCK_H,BLOCK_N,num_warps,num_stages[,swap_ab[,ctas_per_sm[,head_group]]]")
+        if not 4 <= len(parts) <= 6:
+            p.error("--config needs BLOCK_H,BLOCK_N,num_warps,num_stages[,swap_ab[,ctas_per_sm]]")
         args.config = parts
     if args.fp8_config:
         parts = [int(x) for x in args.fp8_config.split(",")]
@@ -114,10 +113,7 @@ def small_shape_configs():
     from mla_fuser.kernels.mla_decode import MLADecodeConfig as C
 
     return [C(16, 32, 4, 2, False, 3), C(16, 32, 2, 2, False, 4), C(16, 64, 4, 1, False, 2), C(16, 32, 4, 3, False, 2),
-            C(16, 16, 2, 2, False, 4), C(16, 64, 4, 3, False, 2),
-            # head groups: 8 or 4 heads a program, so fewer, longer splits and smaller partials
-            C(16, 64, 4, 2, False, 2, 8), C(16, 64, 4, 2, False, 2, 4), C(16, 64, 4, 3, False, 2, 8),
-            C(16, 32, 4, 3, False, 2, 8)]
+            C(16, 16, 2, 2, False, 4), C(16, 64, 4, 3, False, 2)]
 
 
 def sweep_configs(H):

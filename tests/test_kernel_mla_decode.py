@@ -209,37 +209,6 @@ def test_triton_two_head_tiles_and_config(interp):
     _check(md.mla_decode_triton(q, kv, bt, sl, 0.2, 32, num_splits=2, config=cfg), ref, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_head_groups(interp, dtype):
-    # head_group heads a program inside a 16-row MMA tile: H=20 in groups of 8 (the last group 4 heads) and H=16 in
-    # groups of 4, with splits and left padding; every head equals the reference and the grid has H / group head
-    # tiles, which the split search sees.
-    lens = [0, 1, 33, 70]
-    starts = torch.tensor([0, 0, 5, 17], dtype=torch.int32)
-    for H, group in ((20, 8), (16, 4)):
-        q, kv, bt, sl = make_case(lens, H, 32, 16, 16, dtype, seed=40 + H)
-        ref = md.mla_decode_ref(q.float(), kv.float(), bt, sl, 0.2, 32, starts)
-        cfg = md.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, head_group=group)
-        for ns in (1, 3, None):
-            out = md.mla_decode_triton(q, kv, bt, sl, 0.2, 32, num_splits=ns, config=cfg, starts=starts)
-            _check(out, ref, dtype)
-    plan = md._launch_plan(2, 16, 512, 64, 64, 16, torch.bfloat16, cfg, None, None, head_groups=True)
-    whole = md._launch_plan(2, 16, 512, 64, 64, 16, torch.bfloat16, md.MLADecodeConfig(16, 16, 4, 2), None, None)
-    assert (plan[6], whole[6]) == (4, 1)  # head tiles
-    assert plan[7] <= whole[7]  # four times the programs per split: no more splits
-
-
-def test_head_groups_are_refused_by_kernels_without_them(interp):
-    from mla_fuser.kernels.mla_decode_fp8 import MLADecodeFP8Config, mla_decode_fp8_triton
-    from mla_fuser.kernels.latent_fp8 import packed_width
-
-    q = torch.randn(1, 16, 48)
-    pages = torch.zeros(2, 16, packed_width(48), dtype=torch.float8_e4m3fn)
-    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="whole head tiles"):
-        mla_decode_fp8_triton(q, pages, table, lens, 0.3, 32, config=MLADecodeFP8Config(16, 16, 4, 2, head_group=8))
-
-
 def test_triton_many_splits_chunked_merge(interp):
     # 150 splits > 128 merged per chunk: the merge runs two chunks, the second all empty.
     q, kv, bt, sl = make_case([40, 0], 2, 16, 8, 16, torch.float32, seed=17)

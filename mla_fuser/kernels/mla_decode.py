@@ -150,7 +150,7 @@ def _mla_decode_stage1(
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_R: tl.constexpr, HAS_ROPE: tl.constexpr, EVEN_V: tl.constexpr, EVEN_R: tl.constexpr,
     PER_ROW_PAGES: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    SWAP_AB: tl.constexpr, HAS_STARTS: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    SWAP_AB: tl.constexpr, HAS_STARTS: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -170,10 +170,8 @@ def _mla_decode_stage1(
     t_start = first + pid_s * tiles_per_split * BLOCK_N
     t_end = tl.minimum(t_start + tiles_per_split * BLOCK_N, seq_len)
 
-    # HEAD_GROUP heads per program (<= BLOCK_H, the MMA's rows: the others are masked; BLOCK_H: all, folded away)
-    offs_g = tl.arange(0, BLOCK_H)
-    offs_h = pid_h * HEAD_GROUP + offs_g
-    mask_h = (offs_g < HEAD_GROUP) & (offs_h < H)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
     offs_v = tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.arange(0, BLOCK_N)
@@ -355,9 +353,6 @@ class MLADecodeConfig:
       dimension is the token tile / v_dim rather than the (small) head tile.
     * ``ctas_per_sm``: how many programs of this config one SM holds at once (registers / shared
       memory); only used by :func:`choose_num_splits` to size the grid, never by the kernel.
-    * ``head_group``: heads per program when fewer than ``block_h`` (0: ``block_h``; ``mla_decode``
-      only): the MMA's other rows are masked.  ``H / head_group`` programs per split, reading the same
-      tiles (mostly from L2), so the split search picks fewer, longer splits with smaller partials.
     """
 
     block_h: int = 16
@@ -366,7 +361,6 @@ class MLADecodeConfig:
     num_stages: int = 2
     swap_ab: bool = False
     ctas_per_sm: int = 2
-    head_group: int = 0
 
 
 @functools.lru_cache(maxsize=None)  # (asked on every call; frozen config)
@@ -498,25 +492,18 @@ def dot_mode(dtype: torch.dtype) -> tuple[str, bool]:
     return ("ieee" if (dtype == torch.float32 or upcast) else "tf32"), upcast
 
 
-def head_group_of(cfg, block_h: int) -> int:
-    """Heads per program of ``cfg``'s launch in ``block_h``-row tiles (its ``head_group``, else ``block_h``)."""
-    return cfg.head_group if 0 < getattr(cfg, "head_group", 0) < block_h else block_h
-
-
 # What the last Triton launch used (stage-1 compiled kernel, split count, tiles): for benchmarks
 # (registers / spills via ``LAST_LAUNCH["stage1"].n_regs``), never read by the kernels.
 LAST_LAUNCH: dict = {}
 
 
 @functools.lru_cache(maxsize=4096)  # pure function of ints, a dtype and a frozen config, asked on every eager call
-def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_splits, dev, tiles=None,
-                 head_groups=False):
+def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_splits, dev, tiles=None):
     """What one launch shape needs, computed once: ``(cfg, block_h, block_n, per_row, block_v, block_r, head_tiles,
     num_splits, block_s, block_vc)``; ``cfg`` is ``config``, else the tuned tiles of ``(H, v_dim, rope)`` on this
     GPU in table ``tiles`` (a path, ``decode_tiles``; None where H does not count heads), else the default for
     ``(H, dtype)``; ``dev`` the CUDA device index (None off CUDA), whose SM count sizes the split search when
-    ``num_splits`` is None; ``head_groups``: the launcher's kernel takes ``MLADecodeConfig.head_group`` (else a
-    config with head groups is refused)."""
+    ``num_splits`` is None."""
     tuned = None
     if config is None and tiles is not None:
         tuned = decode_tiles.tuned_tiles(H, v_dim, rope, dtype, dev, tiles)
@@ -525,10 +512,7 @@ def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_spl
     block_n, per_row = _tile_n(cfg.block_n, page_size)
     block_v = max(16, next_pow2(v_dim))
     block_r = max(16, next_pow2(rope)) if rope > 0 else 16
-    group = head_group_of(cfg, block_h)
-    if group != block_h and not head_groups:
-        raise ValueError(f"this decode launcher takes whole head tiles: head_group={group} is mla_decode's only")
-    head_tiles = cdiv(H, group)
+    head_tiles = cdiv(H, block_h)
     if num_splits is None:
         num_splits = choose_num_splits(B, head_tiles, max_pages, page_size, block_n, _num_sms(dev), cfg.ctas_per_sm)
     num_splits = max(1, int(num_splits))
@@ -538,12 +522,10 @@ def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_spl
     return cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc
 
 
-def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: int = 0, rows=None,
-                head_groups: bool = False):
+def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: int = 0, rows=None):
     """:func:`_launch_plan` for the absorbed query ``q [B, H, D]`` (every latent decode launcher plans here), or its
     latent part when the rope part (``rope_apart`` wide) is a tensor of its own; ``rows``: ``(programs along B, rows
-    per program)`` when they are not ``(B, H)`` (``mla_decode_split``'s grouped tokens); ``head_groups``: as
-    :func:`_launch_plan`'s (``mla_decode`` only)."""
+    per program)`` when they are not ``(B, H)`` (``mla_decode_split``'s grouped tokens)."""
     dev = None  # the device whose tuned tiles apply and whose SM count sizes the split search
     if q.is_cuda:
         dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -551,7 +533,7 @@ def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: 
     B, H = (B, H) if rows is None else rows
     tiles = decode_tiles.table_path() if dev is not None and rows is None and config is None else None
     return _launch_plan(B, H, v_dim, D + rope_apart - v_dim, page_size, max_pages, q.dtype, config, num_splits, dev,
-                        tiles, head_groups)
+                        tiles)
 
 
 def _check_inputs(q, kv_pages, block_table, seq_lens, v_dim, q_rope=None):
@@ -616,7 +598,7 @@ def mla_decode_triton(
     max_pages = block_table.shape[1]
 
     cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc = launch_plan(
-        q, v_dim, page_size, max_pages, config, num_splits, D - q.shape[-1], head_groups=True)
+        q, v_dim, page_size, max_pages, config, num_splits, D - q.shape[-1])
     direct = num_splits == 1
     o_part, lse, sp, sl = split_partials(out, num_splits, v_dim)
     dot_precision, dot_upcast = dot_mode(q.dtype)
@@ -632,7 +614,6 @@ def mla_decode_triton(
         PAGE_SIZE=page_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_R=block_r, HAS_ROPE=rope > 0,
         EVEN_V=block_v == v_dim, EVEN_R=block_r == rope, PER_ROW_PAGES=per_row, DIRECT_OUT=direct,
         DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast, SWAP_AB=bool(cfg.swap_ab), HAS_STARTS=starts is not None,
-        HEAD_GROUP=head_group_of(cfg, block_h),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
