@@ -16,7 +16,7 @@ import time
 import torch
 
 from . import envs
-from .presets import DEFAULT_PRESET, DTYPES, PRESETS, load_for_cli, preset_config
+from .presets import DEFAULT_PRESET, DTYPES, FULL_SIZE_PRESETS, PRESETS, load_for_cli, preset_config
 
 PROG = "mla-fuser"
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # what --device may also be with --model
@@ -198,6 +198,9 @@ def _check_usage(args) -> None:
     if args.command == "serve":
         _check_serve_setup(args)
     _check_device(args)
+    if not args.model and args.preset in FULL_SIZE_PRESETS and args.device is None:
+        raise UsageError(f"--preset {args.preset} is {FULL_SIZE_PRESETS[args.preset]}: say where to build it, "
+                         f"--device cuda --dtype bf16 on a GPU (or --device cpu to build it on the CPU anyway)")
     config = _model_config(args)
     if getattr(args, "prompt_ids", None):
         _check_prompt_ids(args, config)

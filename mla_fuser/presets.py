@@ -40,6 +40,9 @@ PRESETS = {
     ),
 }
 DEFAULT_PRESET = "deepseek-v2-lite-tiny"
+# Presets of a real model's size, for GPUs: the command line builds them only where ``--device`` says where (left
+# out, the default CPU would build the 15.7B parameters in the default fp32, ~63 GB, and decode for hours).
+FULL_SIZE_PRESETS = {"deepseek-v2-lite": "the real DeepSeek-V2-Lite shape, 15.7B parameters"}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 

@@ -157,6 +157,10 @@ USAGE_ERRORS = [  # (argv, part of the error line)
     (["bench", "--out", "/nonexistent/dir/x.json"], "argument --out: directory /nonexistent/dir does not exist"),
     (["bench", "--plot", "/nonexistent/dir/x.png"], "argument --plot: directory /nonexistent/dir does not exist"),
     (["inspect", "--device", "banana"], "--device 'banana' is not a device"),
+    # a full-size preset without --device would build 15.7B fp32 parameters on the CPU
+    (["bench", "--preset", "deepseek-v2-lite", "--generate"], "--preset deepseek-v2-lite is the real DeepSeek-V2-Lite "
+                                                              "shape, 15.7B parameters: say where to build it"),
+    (["generate", "--preset", "deepseek-v2-lite"], "--device cuda --dtype bf16 on a GPU"),
     (["inspect", "--bogus"], "unrecognized arguments: --bogus"),
 ]
 
