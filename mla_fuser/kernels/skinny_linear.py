@@ -202,26 +202,28 @@ def skinny_bmm_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None
     return out
 
 
+def _may_take_kernel(x: torch.Tensor) -> bool:
+    """Whether a skinny product of ``x`` may run on its kernel at all (its shapes and the switch asked after):
+    CUDA or the interpreter, outside Dynamo, launches free (a captured step) and the Triton backend chosen.  A CPU
+    call outside the interpreter, as every eager decode step on a CPU makes, is answered at the first check: asking
+    ``launches_are_free()`` alone cost more host time than the CPU's tiny GEMM.  Dynamo comes next: it does not trace
+    ``launches_are_free``'s context variable."""
+    if not (x.is_cuda or envs.triton_interpreting()) or torch.compiler.is_compiling():
+        return False
+    return launches_are_free() and (x.is_cuda or use_triton(x))
+
+
 def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.bmm(x, w, out=out)``, on the kernel where it pays (as :func:`skinny_linear`), else ``torch.bmm``."""
-    if not (x.is_cuda or envs.triton_interpreting()):  # (first: an eager CPU call asks nothing more, as skinny_linear)
-        return skinny_bmm_ref(x, w, out)
-    if not torch.compiler.is_compiling() and launches_are_free() and (x.is_cuda or use_triton(x)):
-        if (skinny_bmm_fits(x, w, out) and envs.skinny_linear() and not (
-                torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-            return skinny_bmm_triton(x, w, out)
+    if (_may_take_kernel(x) and skinny_bmm_fits(x, w, out) and envs.skinny_linear()
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        return skinny_bmm_triton(x, w, out)
     return skinny_bmm_ref(x, w, out)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, on the kernel where it pays (module docstring), else ``F.linear`` itself."""
-    # (first: a CPU call outside the interpreter, as every eager decode step on a CPU makes, asks nothing more; its
-    # launches_are_free() alone cost more host time than the CPU's tiny GEMM; then Dynamo, which does not trace
-    # launches_are_free's context variable)
-    if not (x.is_cuda or envs.triton_interpreting()) or torch.compiler.is_compiling():
-        return F.linear(x, weight, bias)
-    if launches_are_free() and (x.is_cuda or use_triton(x)):
-        if (skinny_fits(x, weight, bias) and envs.skinny_linear() and not (
-                torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-            return skinny_linear_triton(x, weight, bias)
+    if (_may_take_kernel(x) and skinny_fits(x, weight, bias) and envs.skinny_linear()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return skinny_linear_triton(x, weight, bias)
     return F.linear(x, weight, bias)
