@@ -295,3 +295,36 @@ def test_eager_few_rows_run_the_original_and_launch_free_contexts_the_kernel(mon
     with graph_warmup():
         assert launches_are_free() and nf._pays(few)
     assert nf._pays(torch.zeros(3, 64))  # CPU: the kernel's torch twin, no launch cost question
+
+
+def test_eager_cpu_calls_run_the_module_own_ops_and_triton_backend_the_kernel(monkeypatch):
+    """An eager CPU call runs the original forward (the torch backend's twin is those very ops, so checks and
+    dispatch before it would only cost host time); with the Triton backend forced (the interpreter) the same call
+    takes the kernel.  Told apart by which of the two the plan's kernel sees."""
+    torch.manual_seed(0)
+    fused, native = Smoother(32), Smoother(32)
+    native.load_state_dict(fused.state_dict())
+    _fuse_one(fused)
+    plan = plan_of(fused, "norm")
+    calls = []
+    kernel, original = plan.kernel, plan.original
+
+    def counted_kernel(x, w):
+        calls.append("kernel")
+        return kernel(x, w)
+
+    def counted_original(*args, **kwargs):
+        calls.append("original")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(plan, "kernel", counted_kernel)
+    monkeypatch.setattr(plan, "original", counted_original)
+    x = _inputs(32, torch.float32)
+    with torch.no_grad():
+        assert torch.equal(fused(x), native(x)) and torch.equal(fused(inputs=x), native(x))
+        assert calls == ["original", "original"]
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("MLA_FUSER_BACKEND", "triton")
+        got = fused(x)
+    assert calls == ["original", "original", "kernel"]
+    torch.testing.assert_close(got, native(x).detach())

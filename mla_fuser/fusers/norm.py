@@ -23,7 +23,8 @@ What is matched (never by class or attribute names):
 
 How it is fused: ``apply`` binds ``_fused_forward`` to the instance (under an accelerate hook, to what the hook
 wraps).  The weight is read from the module at every call, so loading weights or ``.to()`` later still works;
-a call the match cannot vouch for (extra arguments, another dtype or width) runs the original forward.  Before
+a call the match cannot vouch for (extra arguments, another dtype or width) runs the original forward, as does an
+eager call on CPU tensors where no Triton runs (the kernel's torch twin there is the module's very ops).  Before
 keeping it, the bound forward is compared with the original on random inputs, with the module's weight and
 with a random one: bitwise on CPU (the torch reference is the same ops); when the Triton kernel runs, whose
 reduction order differs from torch's, within the units in the last place that order can move (``_max_ulps``).
@@ -44,7 +45,7 @@ from torch import nn
 from .. import graph as g
 from ..fx_ops import CAST_METHODS, arg, is_number, meta_dtype, op_name
 from ..kernels.dispatch import launches_are_free, use_triton
-from ..kernels.rms_norm import KERNEL_DTYPES, rms_norm, rms_norm_ref
+from ..kernels.rms_norm import KERNEL_DTYPES, rms_norm
 from ..plans import clear_plan, plan_of, set_plan
 from .base import Fuser, FusionRow, NoMatch, bind_instance_forward, shape_key, unbind_instance_forward
 
@@ -379,18 +380,19 @@ def _fused_forward(self: nn.Module, *args, **kwargs):
     cover runs the original forward.  The matched forward takes one input, so a lone argument (positional or
     by its name) is the hidden states."""
     plan: _NormPlan = plan_of(self, "norm")
-    m = plan.match
-    weight = self._parameters[m.weight_name]
     if len(args) + len(kwargs) != 1:
         return plan.original(*args, **kwargs)
     x = args[0] if args else next(iter(kwargs.values()))
+    if isinstance(x, torch.Tensor) and x.is_cpu and not torch.compiler.is_compiling() and not use_triton(x):
+        # an eager CPU call: the torch backend would run the kernel's twin, the module's very ops (bitwise, as the
+        # check at fusion made sure), so the module's own forward runs them, with no checks before it: on a CPU
+        # this is every norm of a step, and each check costs host time the norm itself barely does
+        return plan.original(x)
+    m = plan.match
+    weight = self._parameters[m.weight_name]
     if not plan.runs_fused(x, weight) or not _pays(x):
         return plan.original(*args, **kwargs)
-    if x.is_cuda or torch.compiler.is_compiling() or use_triton(x):
-        return plan.kernel(x, weight)
-    # an eager CPU call: what the op would run there, its torch twin (the module's very ops, bitwise, as the check
-    # at fusion made sure), called directly: the op's layers of dispatch cost more host time than the norm itself
-    return rms_norm_ref(x, weight, m.eps, m.weight_offset, m.weight_in_fp32)
+    return plan.kernel(x, weight)
 
 
 def _check_against_original(module: nn.Module, match: NormMatch, original: Callable) -> str:
