@@ -453,6 +453,67 @@ def test_cpu_decode_matches_ref(layout, dtype, with_starts):
                                                          None if starts is None else starts[4:5]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("with_starts", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cpu_absorbed_decode_matches_the_general_path(dtype, bias, with_starts, fp8):
+    """``absorbed_decode_cpu`` (an eager CPU decode step in one function) computes what the general path computes
+    (``paged.absorbed_decode`` around ``mla_decode_cpu``), at the same rounding points: bf16 and fp32, a value
+    bias, left-padding starts, an FP8 pool (rows dequantised, the query in the latent's dtype), empty sequences."""
+    from types import SimpleNamespace
+
+    from mla_fuser.attention_interfaces.paged import absorbed_decode, joined
+    from mla_fuser.kernels.latent_fp8 import quantise_rows
+    from mla_fuser.kernels.paged_cpu import absorbed_decode_cpu, mla_decode_cpu
+
+    lens, H, rank, rope, nope, v = [0, 1, 16, 17, 45], 3, 32, 8, 12, 10
+    _, kv, bt, sl = make_case(lens, H, rank, rope, 16, dtype, seed=42)
+    latent_dtype = dtype
+    if fp8:
+        kv = quantise_rows(kv[..., :rank].nan_to_num(), kv[..., rank:].nan_to_num())
+    g = _seed(43)
+    query = torch.randn(len(lens), H, nope + rope, generator=g).to(dtype)
+    w_uk, w_uv = torch.randn(H, nope, rank, generator=g).to(dtype), torch.randn(H, v, rank, generator=g).to(dtype)
+    b_v = torch.randn(H, v, generator=g).to(dtype) if bias else None
+    starts = torch.tensor([0, 0, 5, 16, 30], dtype=torch.int32) if with_starts else None
+    got = absorbed_decode_cpu(query, w_uk, w_uv, b_v, kv, bt, sl, 0.3, latent_dtype, starts)
+    want = absorbed_decode(query.unsqueeze(2), w_uk, w_uv, b_v, SimpleNamespace(qk_nope_head_dim=nope), latent_dtype,
+                           lambda q_lat, q_pe: mla_decode_cpu(joined(q_lat, q_pe), kv, bt, sl, 0.3, rank, starts))
+    assert got.dtype == dtype and got.shape == (len(lens), H, v) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want.squeeze(1), atol=0, rtol=0)
+    assert torch.equal(got[0], torch.zeros(H, v, dtype=dtype) + (0 if b_v is None else b_v))  # nothing to attend
+
+
+def test_eager_cpu_decode_step_takes_the_one_function_path(monkeypatch):
+    """``paged.paged_decode`` of one token per sequence on CPU pages runs ``absorbed_decode_cpu`` (automatic and the
+    torch backend); with the Triton backend (the interpreter) the same step runs the kernel, which agrees."""
+    from types import SimpleNamespace
+
+    import mla_fuser.attention_interfaces.paged as paged
+
+    calls = []
+    real = paged.absorbed_decode_cpu
+    monkeypatch.setattr(paged, "absorbed_decode_cpu", lambda *a: calls.append(1) or real(*a))
+    H, rank, rope, nope = 2, 16, 8, 8
+    _, kv, bt, sl = make_case([5, 20], H, rank, rope, 8, torch.float32, seed=44)
+    view = SimpleNamespace(pages=kv, block_table=bt, seq_lens=sl, new_kv_c=None)
+    g = _seed(45)
+    query = torch.randn(2, H, 1, nope + rope, generator=g)
+    w_uk, w_uv = torch.randn(H, nope, rank, generator=g), torch.randn(H, 4, rank, generator=g)
+    m = SimpleNamespace(qk_nope_head_dim=nope, kv_lora_rank=rank)
+    outs = []
+    for backend in (None, "torch", "triton"):
+        if backend:
+            monkeypatch.setenv("MLA_FUSER_BACKEND", backend)
+        if backend == "triton":
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        outs.append(paged.paged_decode(query, view, 0.3, w_uk, w_uv, None, m))
+    assert len(calls) == 2 and all(o.shape == (2, 1, H, 4) for o in outs)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[2], outs[0], atol=1e-5, rtol=1e-5)
+
+
 def test_decode_dispatch_runs_the_cpu_path_for_cpu_tensors(monkeypatch):
     import mla_fuser.kernels.mla_decode as mod
 

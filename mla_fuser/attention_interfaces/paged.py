@@ -26,10 +26,11 @@ import contextvars
 
 import torch
 
-from ..kernels.dispatch import on_device
+from ..kernels.dispatch import on_device, use_triton
 from ..kernels.latent_fp8 import is_fp8
 from ..kernels.mla_decode import mla_decode
 from ..kernels.mla_decode_fp8 import mla_decode_fp8
+from ..kernels.paged_cpu import absorbed_decode_cpu
 from ..kernels.skinny_linear import skinny_bmm
 
 
@@ -67,6 +68,11 @@ def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts=None):
     pages = view.pages
     fp8 = is_fp8(pages)  # an FP8 cache: q stays in the latent's dtype, the kernel converts the e4m3 rows to it
     block_table, seq_lens, tokens = view.block_table, view.seq_lens, query.shape[2]
+    if tokens == 1 and pages.is_cpu and not torch.compiler.is_compiling() and not use_triton(pages):
+        # an eager CPU step (what every decode step on a CPU is): the op's CPU twin with the absorption around it, in
+        # one function; the general path below costs more host time in dispatch than the CPU spends computing
+        return absorbed_decode_cpu(query.select(2, 0), w_uk, w_uv, b_v, pages, block_table, seq_lens, scaling,
+                                   view.new_kv_c.dtype if fp8 else pages.dtype, starts).unsqueeze(1)
     if tokens > 1:  # one kernel row per token: its sequence's pages, its own end (all on the device, no sync)
         back = torch.arange(tokens - 1, -1, -1, device=seq_lens.device, dtype=seq_lens.dtype)
         seq_lens = (seq_lens.view(-1, 1) - back).reshape(-1)

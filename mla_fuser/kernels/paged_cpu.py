@@ -21,7 +21,7 @@ import torch
 
 from .latent_fp8 import dequantise_rows, is_fp8, quantise_rows
 
-__all__ = ["append_rows", "mla_decode_cpu", "paged_append_cpu", "sequence_rows"]
+__all__ = ["absorbed_decode_cpu", "append_rows", "mla_decode_cpu", "paged_append_cpu", "sequence_rows"]
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -47,10 +47,16 @@ def mla_decode_cpu(q, kv_pages, block_table, seq_lens, scale, v_dim, starts=None
     batch, heads, _ = q.shape
     if batch == 0:
         return q.new_zeros(batch, heads, v_dim)
+    out = _attend_sequences(_fp32(q), kv_pages, block_table, seq_lens, starts, scale, v_dim)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _attend_sequences(q32, kv_pages, block_table, seq_lens, starts, scale, v_dim) -> torch.Tensor:
+    """fp32 ``[B, H, v_dim]``: each sequence's fp32 query rows ``q32[b] [H, D]`` over its own latent rows."""
+    batch, heads, width = q32.shape
     lens = seq_lens.tolist()
     firsts = [0] * batch if starts is None else starts.tolist()
     table = block_table.tolist()
-    q32 = _fp32(q)
     outs = []
     for b in range(batch):
         length, start = lens[b], max(0, firsts[b])
@@ -58,11 +64,38 @@ def mla_decode_cpu(q, kv_pages, block_table, seq_lens, scale, v_dim, starts=None
             outs.append(q32.new_zeros(heads, v_dim))
             continue
         rows = sequence_rows(kv_pages, table[b], start, length)  # [T, D] (an FP8 pool: packed [T, W])
-        rows = dequantise_rows(rows, v_dim, q.shape[-1]) if is_fp8(kv_pages) else _fp32(rows)
+        rows = dequantise_rows(rows, v_dim, width) if is_fp8(kv_pages) else _fp32(rows)
         scores = torch.mm(q32[b], rows.t()).mul_(scale)  # [H, T]
         outs.append(torch.mm(torch.softmax(scores, dim=-1), rows[:, :v_dim]))
-    out = outs[0].unsqueeze(0) if batch == 1 else torch.stack(outs)
-    return out if out.dtype == q.dtype else out.to(q.dtype)
+    return outs[0].unsqueeze(0) if batch == 1 else torch.stack(outs)
+
+
+def absorbed_decode_cpu(q, w_uk, w_uv, b_v, kv_pages, block_table, seq_lens, scale, latent_dtype, starts=None):
+    """One decode token per sequence of absorbed MLA over CPU pages, in one function: ``q [B, H, nope + rope]`` →
+    ``[B, H, v]`` in ``q``'s dtype, with ``w_uk [H, nope, rank]``, ``w_uv [H, v, rank]``, ``b_v [H, v]`` or None.
+
+    Why: on a CPU an eager decode step's cost is the host time of its small ops, and the general path
+    (``attention_interfaces.paged.absorbed_decode`` around the ``mla_decode`` op) spends more of it on dispatch,
+    device contexts and a strided output for CUDA than on the maths.  Same maths and rounding points: the absorbed
+    query ``[q_nope @ W_UK | q_pe]`` in ``latent_dtype`` (the latent's: an FP8 pool's rows are dequantised to fp32 as
+    :func:`mla_decode_cpu` does), attention in fp32 rounded back to ``latent_dtype``, then ``W_UV`` in its dtype."""
+    nope, rank = w_uk.shape[1], w_uk.shape[2]
+    q_nope, q_pe = q.narrow(-1, 0, nope), q.narrow(-1, nope, q.shape[-1] - nope)
+    q_lat = torch.bmm(q_nope.transpose(0, 1), _as(w_uk, q.dtype)).transpose(0, 1)  # [B, H, rank]
+    q_abs = torch.cat([_as(q_lat, latent_dtype), _as(q_pe, latent_dtype)], dim=-1)
+    if q.shape[0] == 0:
+        out_lat = q_abs.new_zeros(0, q.shape[1], rank)
+    else:
+        out_lat = _as(_attend_sequences(_fp32(q_abs), kv_pages, block_table, seq_lens, starts, scale, rank),
+                      latent_dtype)
+    out = torch.bmm(_as(out_lat.transpose(0, 1), w_uv.dtype), w_uv.transpose(1, 2))  # [H, B, v]
+    if b_v is not None:
+        out = out + b_v.unsqueeze(1)
+    return _as(out.transpose(0, 1), q.dtype)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def paged_append_cpu(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
