@@ -37,7 +37,7 @@ from ..attention_interfaces.vllm_mla import left_padding_of
 from ..attention_interfaces.paged import MAX_STEP_TOKENS
 from ..cache import PagedLatentCache, paged_layer_indices
 from ..compat import ATTENTION_NAME, CACHE_KWARGS, attention_implementation, cache_keyword, caller_chose_cache
-from ..fusers.moe.experts import has_switched_experts, keep_fused_experts
+from ..fusers.moe.experts import keep_fused_experts, switched_experts_views
 from ..plans import model_state
 from . import callers_cache, kept_steps, step_ahead
 from .decode_graph import DecodeGraph
@@ -57,7 +57,7 @@ def extend_generate(model) -> list[str]:
         return []
     paged = bool(paged_layer_indices(model))
     states_only = not paged and _graphs_over_own_cache(model)
-    experts = has_switched_experts(model)
+    experts = switched_experts_views(model)  # (found once: fusion set them, and every call would walk the modules)
     notes = []
     if paged:
         notes.append("generate() uses a paged latent cache unless another cache is requested")
@@ -71,7 +71,7 @@ def extend_generate(model) -> list[str]:
     keyword = cache_keyword(model)
 
     def generate(self, *args, **kwargs):
-        with keep_fused_experts(self) if experts else contextlib.nullcontext():
+        with keep_fused_experts(self, experts) if experts else contextlib.nullcontext():
             _LAST_PLANS.pop(self, None)  # (its cache is freed before this call's is made, unless kept)
             plan = plan_generate(self, args, kwargs, paged, states_only)
             _LAST_PLANS[self] = plan

@@ -7,7 +7,7 @@ before wherever the kernel cannot run.  The decorator picks the implementation a
 gives one experts instance a config *view* (``_ExpertsConfigView``) that names ``"mla_fuser"`` while the
 model's own choice is unchanged since fusion; other blocks (declined ones included) keep theirs.  Generate's
 decode-time swap to ``batched_mm`` is told apart from a user's choice by a ``ContextVar`` that
-``keep_fused_experts`` sets (the runtime's ``generate`` enters it for models with ``has_switched_experts``).
+``keep_fused_experts`` sets (the runtime's ``generate`` enters it for models with ``switched_experts_views``).
 
 Block-FP8 experts (float8 ``gate_up_proj``/``down_proj`` stacks with per-expert block scales, recognised by those
 tensors: ``kernels.fp8.experts``) run ``fused_experts_fp8``.  Transformers gives its FP8 experts their own
@@ -114,13 +114,15 @@ _DECODE_SWAP_KEPT: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def keep_fused_experts(model: nn.Module):
+def keep_fused_experts(model: nn.Module, views: tuple | None = None):
     """Within the block, ``generate``'s decode-time switch from ``grouped_mm`` to ``batched_mm`` leaves this model's
     fused experts on the ``"mla_fuser"`` kernel (it would otherwise replace them with ``batched_mm`` for every
-    decode step).  A model whose user chose another implementation before the call keeps that choice."""
-    views = [m.__dict__.get("config") for m in model.modules()]  # (what apply_interface set; no failing getattr)
-    configs = {id(v._base) for v in views if isinstance(v, _ExpertsConfigView)
-               and compat.experts_implementation(v._base) == v._fused_over == "grouped_mm"}
+    decode step).  A model whose user chose another implementation before the call keeps that choice.  ``views``:
+    the model's :func:`switched_experts_views`, when the caller keeps them (each call of ``generate`` enters this
+    block, and walking every module costs host time that grows with the model)."""
+    views = switched_experts_views(model) if views is None else views
+    configs = {id(v._base) for v in views
+               if compat.experts_implementation(v._base) == v._fused_over == "grouped_mm"}
     token = _DECODE_SWAP_KEPT.set(_DECODE_SWAP_KEPT.get() | configs)
     try:
         yield
@@ -128,9 +130,11 @@ def keep_fused_experts(model: nn.Module):
         _DECODE_SWAP_KEPT.reset(token)
 
 
-def has_switched_experts(model: nn.Module) -> bool:
-    """Whether some experts module of ``model`` reads its implementation through the fuser's config view."""
-    return any(isinstance(getattr(m, "config", None), _ExpertsConfigView) for m in model.modules())
+def switched_experts_views(model: nn.Module) -> tuple:
+    """The config views (``apply_interface``'s) through which experts modules of ``model`` read their
+    implementation; empty when none does."""
+    views = (m.__dict__.get("config") for m in model.modules())  # (what apply_interface set; no failing getattr)
+    return tuple(v for v in views if isinstance(v, _ExpertsConfigView))
 
 
 # ---------------------------------------------------------------------------------------------------------
