@@ -3,10 +3,14 @@
 Cases (``--cases``, default all three):
 
 * ``cli``: ``mla-fuser generate --check`` itself (README command 1: the default preset ``deepseek-v2-lite-tiny``,
-  fp32, CPU), run as a subprocess; the fused and native tokens/s it prints, and their ratio.
+  fp32, CPU), run as a subprocess; the fused and native tokens/s it prints (each model timed after an untimed 2-token
+  call of its own), and their ratio; ``cli_no_warmup`` the same with ``--no-warmup`` (each model's first call timed,
+  the fused model's first in the process).
 * ``readme``: the same job in this process (same preset, seed, prompt and 32 new tokens as the CLI): the first
-  ``generate`` after building each model (what the CLI times, a first impression) and the median of five warm calls
-  after it, fused and native alternating.
+  ``generate`` after building each model and the median of five warm calls after it, fused and native
+  alternating.  Runs alternate which model makes the first call of the process: whichever does pays the process's
+  first runs of its ops, so the first-call ratio is kept per order (``first_call_ratio_fused_first`` /
+  ``_native_first``) as well as over all runs.
 * ``v2lite_4k``: the ``deepseek-v2-lite`` preset's config with ``num_hidden_layers=2`` (one dense layer, one MoE
   layer of 64 experts top-6; fp32, seeded random weights), batch 1, a 4096-token prompt, ``--new-tokens`` greedy
   tokens through ``generate``: prefill time and decode ms/step (median of the gaps between decode steps, stamped by
@@ -51,12 +55,12 @@ def _median(values):
 # cli: the README command itself
 
 
-def run_cli(threads: int) -> dict:
+def run_cli(threads: int, *extra: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    proc = subprocess.run([sys.executable, "-m", "mla_fuser.cli", "generate", "--check"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "mla_fuser.cli", "generate", "--check", *extra], capture_output=True,
                           text=True, env=env, check=False)
     found = {name: float(v) for name, v in (
-        ("fused", re.search(r"([\d.]+) tokens/s \(fused\)", proc.stdout).group(1)),
+        ("fused", re.search(r"([\d.]+) tokens/s \(fused", proc.stdout).group(1)),
         ("native", re.search(r"native sdpa: .* ([\d.]+) tokens/s", proc.stdout).group(1)),
     )}
     return {"fused_tok_per_s": found["fused"], "native_tok_per_s": found["native"],
@@ -68,13 +72,15 @@ def run_cli(threads: int) -> dict:
 # readme: the same job in process
 
 
-def run_readme(warm_calls: int = 5) -> dict:
-    """Both models built as the CLI builds them; each one's first ``generate`` (what the CLI times), then
-    ``warm_calls`` more of each, alternating fused and native so that drifts of a shared machine hit both."""
+def run_readme(first: str = "fused", warm_calls: int = 5) -> dict:
+    """Both models built as the CLI builds them; each one's first ``generate`` (``first``'s the first of the
+    process), then ``warm_calls`` more of each, alternating fused and native so that drifts of a shared machine hit
+    both."""
     from mla_fuser.presets import DEFAULT_PRESET, build_preset
 
+    order = (("fused", "vllm_mla"), ("native", "sdpa"))
     models = {name: build_preset(DEFAULT_PRESET, seed=0, attn_implementation=attn)
-              for name, attn in (("fused", "vllm_mla"), ("native", "sdpa"))}
+              for name, attn in (order if first == "fused" else order[::-1])}
     vocab = models["fused"].get_input_embeddings().weight.shape[0]
     ids = torch.randint(3, vocab, (1, TINY_PROMPT), generator=torch.Generator().manual_seed(0))
     times = {name: [] for name in models}
@@ -94,6 +100,7 @@ def run_readme(warm_calls: int = 5) -> dict:
     row["first_call_ratio"] = row["fused"]["first_call_tok_per_s"] / row["native"]["first_call_tok_per_s"]
     row["warm_ratio"] = row["fused"]["warm_tok_per_s"] / row["native"]["warm_tok_per_s"]
     row["tokens_equal"] = bool(torch.equal(outs["fused"], outs["native"]))
+    row["first"] = first
     return row
 
 
@@ -153,7 +160,7 @@ def run_v2lite(models: dict, prompt: int, new_tokens: int) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_speed.json"))
-    p.add_argument("--cases", default="cli,readme,v2lite_4k")
+    p.add_argument("--cases", default="cli,cli_no_warmup,readme,v2lite_4k")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="default: the cores this process may use")
     p.add_argument("--layers", type=int, default=2)
@@ -171,19 +178,21 @@ def main():
     result = {"label": args.label, "device": platform.processor() or platform.machine(), "threads": threads,
               "torch": torch.__version__, "transformers": transformers.__version__, "runs": args.runs,
               "cases": {}}
-    if "cli" in cases:
+    for case, extra in (("cli", ()), ("cli_no_warmup", ("--no-warmup",))):
+        if case not in cases:
+            continue
         runs = []
         for i in range(args.runs):
-            runs.append(run_cli(threads))
-            print("cli", i, runs[-1], flush=True)
-        result["cases"]["cli"] = {
-            "command": "mla-fuser generate --check", "runs": runs,
+            runs.append(run_cli(threads, *extra))
+            print(case, i, runs[-1], flush=True)
+        result["cases"][case] = {
+            "command": " ".join(("mla-fuser generate --check", *extra)), "runs": runs,
             "median": {k: _median([r[k] for r in runs]) for k in ("fused_tok_per_s", "native_tok_per_s", "ratio")},
         }
     if "readme" in cases:
         runs = []
         for i in range(args.runs):
-            runs.append(run_readme())
+            runs.append(run_readme("fused" if i % 2 == 0 else "native"))
             print("readme", i, {k: v for k, v in runs[-1].items()}, flush=True)
         result["cases"]["readme"] = {
             "preset": "deepseek-v2-lite-tiny", "dtype": "float32", "prompt": TINY_PROMPT, "new_tokens": TINY_NEW,
@@ -192,6 +201,9 @@ def main():
                 "fused_first_call_tok_per_s": _median([r["fused"]["first_call_tok_per_s"] for r in runs]),
                 "native_first_call_tok_per_s": _median([r["native"]["first_call_tok_per_s"] for r in runs]),
                 "first_call_ratio": _median([r["first_call_ratio"] for r in runs]),
+                "first_call_ratio_fused_first": _median([r["first_call_ratio"] for r in runs if r["first"] == "fused"]),
+                "first_call_ratio_native_first": _median([r["first_call_ratio"] for r in runs
+                                                          if r["first"] == "native"]),
                 "fused_warm_tok_per_s": _median([r["fused"]["warm_tok_per_s"] for r in runs]),
                 "native_warm_tok_per_s": _median([r["native"]["warm_tok_per_s"] for r in runs]),
                 "warm_ratio": _median([r["warm_ratio"] for r in runs]),

@@ -19,6 +19,28 @@ def test_generate_check(capsys):
     assert "fused" in out and "tokens/s" in out and "EQUALS" in out
 
 
+@pytest.mark.parametrize("no_warmup", [False, True])
+def test_generate_times_after_a_warmup_call_unless_told(capsys, monkeypatch, no_warmup):
+    """Each model's timed call follows an untimed 2-token call of its own (one-time costs fall on whichever model
+    runs first); ``--no-warmup`` times the first call.  The output says which it timed."""
+    from transformers import GenerationMixin
+
+    lengths = []
+    real = GenerationMixin.generate
+
+    def counted(self, *args, **kwargs):
+        lengths.append(kwargs.get("max_new_tokens"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", counted)
+    args = ["generate", "--check", "--max-new-tokens", "5", "--prompt-len", "4"] + (["--no-warmup"] if no_warmup else [])
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert lengths == ([5, 5] if no_warmup else [2, 5, 2, 5])
+    said = "first call" if no_warmup else "after a 2-token warm-up call"
+    assert f"tokens/s (fused, {said})" in out and f"tokens/s ({said})" in out and "EQUALS" in out
+
+
 def test_generate_prompt_ids(capsys):
     assert main(["generate", "--prompt-ids", "5", "6", "7", "--max-new-tokens", "3"]) == 0
     assert "prompt ids: [5, 6, 7]" in capsys.readouterr().out
