@@ -1,11 +1,11 @@
 """CPU speed of a fused model against native Transformers, fused and native in the same run (median of runs).
 
-Cases (``--cases``, default all three):
+Cases (``--cases``, default all four):
 
 * ``cli``: ``mla-fuser generate --check`` itself (README command 1: the default preset ``deepseek-v2-lite-tiny``,
-  fp32, CPU), run as a subprocess; the fused and native tokens/s it prints (each model timed after an untimed 2-token
-  call of its own), and their ratio; ``cli_no_warmup`` the same with ``--no-warmup`` (each model's first call timed,
-  the fused model's first in the process).
+  fp32, CPU), run as a subprocess; the fused and native tokens/s it prints (each model's median of 3 calls, the
+  models alternating, after an untimed call of each just like them), and their ratio; ``cli_no_warmup`` the same
+  with ``--no-warmup`` (each model's first call timed once, the fused model's first in the process).
 * ``readme``: the same job in this process (same preset, seed, prompt and 32 new tokens as the CLI): the first
   ``generate`` after building each model and the median of five warm calls after it, fused and native
   alternating.  Runs alternate which model makes the first call of the process: whichever does pays the process's

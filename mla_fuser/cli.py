@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -250,23 +251,33 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-# new tokens of the untimed call before each timed ``generate``: a prefill and one decode step, which run every op
-# the timed call runs
-WARMUP_NEW_TOKENS = 2
+# timed calls per model (the median is reported): one call of the default preset on a CPU lasts ~0.1 s, and calls
+# differ by up to ±5% on a shared machine
+TIMED_CALLS = 3
 
 
-def _timed_generate(model, ids, args):
-    """``(output, seconds)`` of the greedy call ``mla-fuser generate`` reports, timed after one untimed call of the same
-    model (unless ``--no-warmup``).  A first call pays one-time costs that are not the model's speed: the process's
-    first run of each op (they fall on whichever model runs first, ~4% of the default preset's CPU call), and on a
-    GPU Triton's compiles and the CUDA-graph capture."""
+def _timed_generates(models: dict, ids, args) -> tuple[dict, dict]:
+    """``(outputs, seconds)`` by model name: each model's greedy call, timed ``TIMED_CALLS`` times, the models
+    alternating (drifts of a shared machine hit all of them), after one untimed call of each just like the timed
+    ones; with ``--no-warmup``, each model's first call, once.
+
+    Why warm up: a first call pays one-time costs that are not the model's speed: the process's first run of each op
+    (they fall on whichever model runs first, ~4% of the default preset's CPU call), and on a GPU Triton's compiles
+    and the CUDA-graph capture of the decode step.  The warm-up is the same call because a shorter one would not take
+    the same path: on a GPU ``generate`` replays its steps from a graph only from 8 new tokens, and keeps the captured
+    step for the next call of the same shape, which the timed calls then replay."""
     kwargs = dict(do_sample=False, max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens)
+    outputs, seconds = {}, {name: [] for name in models}
     with torch.no_grad():
         if not args.no_warmup:
-            model.generate(ids, **dict(kwargs, max_new_tokens=WARMUP_NEW_TOKENS, min_new_tokens=WARMUP_NEW_TOKENS))
-        start = time.perf_counter()
-        out = model.generate(ids, **kwargs)
-    return out, time.perf_counter() - start
+            for model in models.values():
+                model.generate(ids, **kwargs)
+        for _ in range(1 if args.no_warmup else TIMED_CALLS):
+            for name, model in models.items():
+                start = time.perf_counter()
+                outputs[name] = model.generate(ids, **kwargs)
+                seconds[name].append(time.perf_counter() - start)
+    return outputs, {name: statistics.median(times) for name, times in seconds.items()}
 
 
 def cmd_generate(args) -> int:
@@ -274,16 +285,19 @@ def cmd_generate(args) -> int:
     print(f"model: {name}")
     print(model.fusion_report)
     ids = _prompt(args, model)
-    out, elapsed = _timed_generate(model, ids, args)
-    new = out[0, ids.shape[1]:].tolist()
-    timed = "first call" if args.no_warmup else f"after a {WARMUP_NEW_TOKENS}-token warm-up call"
+    models = {"fused": model}
+    if args.check:
+        models["native sdpa"] = load_for_cli(args, "sdpa")[0]
+    outputs, seconds = _timed_generates(models, ids, args)
+    new = outputs["fused"][0, ids.shape[1]:].tolist()
+    timed = "first call" if args.no_warmup else f"median of {TIMED_CALLS} calls after a warm-up call"
     print(f"prompt ids: {ids[0].tolist()}")
     print(f"generated ids: {new}")
+    elapsed = seconds["fused"]
     print(f"{len(new)} tokens in {elapsed:.3f} s: {len(new) / elapsed:.1f} tokens/s (fused, {timed})")
     if args.check:
-        native, _ = load_for_cli(args, "sdpa")
-        ref, n_elapsed = _timed_generate(native, ids, args)
-        same = torch.equal(ref, out)
+        n_elapsed = seconds["native sdpa"]
+        same = torch.equal(outputs["native sdpa"], outputs["fused"])
         print(f"native sdpa: {len(new)} tokens in {n_elapsed:.3f} s: {len(new) / n_elapsed:.1f} tokens/s ({timed})")
         print(f"check: fused output {'EQUALS' if same else 'DIFFERS FROM'} the native output")
         return 0 if same else 1
@@ -384,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=_positive_int, default=32)
     gen.add_argument("--check", action="store_true", help="also run the native sdpa model and compare tokens")
     gen.add_argument("--no-warmup", action="store_true",
-                     help="time each model's first call (default: after an untimed 2-token call of the same model)")
+                     help="time each model's first call, once (default: the median of 3 calls, the models "
+                          "alternating, after an untimed call of each just like them)")
     gen.set_defaults(func=cmd_generate)
 
     ins = sub.add_parser("inspect", help="print the fusion report (and the rewritten source)")

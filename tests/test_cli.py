@@ -21,23 +21,25 @@ def test_generate_check(capsys):
 
 @pytest.mark.parametrize("no_warmup", [False, True])
 def test_generate_times_after_a_warmup_call_unless_told(capsys, monkeypatch, no_warmup):
-    """Each model's timed call follows an untimed 2-token call of its own (one-time costs fall on whichever model
-    runs first); ``--no-warmup`` times the first call.  The output says which it timed."""
+    """Each model is timed over 3 calls, the models alternating, after an untimed call of each just like them
+    (one-time costs fall on whichever model runs first); ``--no-warmup`` times each model's first call, once.  The
+    output says which it timed."""
     from transformers import GenerationMixin
 
-    lengths = []
+    calls = []
     real = GenerationMixin.generate
 
     def counted(self, *args, **kwargs):
-        lengths.append(kwargs.get("max_new_tokens"))
+        calls.append(("fused" if self.config._attn_implementation == "vllm_mla" else "native",
+                      kwargs.get("max_new_tokens")))
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(GenerationMixin, "generate", counted)
-    args = ["generate", "--check", "--max-new-tokens", "5", "--prompt-len", "4"] + (["--no-warmup"] if no_warmup else [])
-    assert main(args) == 0
+    args = ["generate", "--check", "--max-new-tokens", "5", "--prompt-len", "4"]
+    assert main(args + (["--no-warmup"] if no_warmup else [])) == 0
     out = capsys.readouterr().out
-    assert lengths == ([5, 5] if no_warmup else [2, 5, 2, 5])
-    said = "first call" if no_warmup else "after a 2-token warm-up call"
+    assert calls == [("fused", 5), ("native", 5)] * (1 if no_warmup else 4)
+    said = "first call" if no_warmup else "median of 3 calls after a warm-up call"
     assert f"tokens/s (fused, {said})" in out and f"tokens/s ({said})" in out and "EQUALS" in out
 
 
