@@ -30,7 +30,7 @@ from ..kernels.dispatch import on_device, use_triton
 from ..kernels.latent_fp8 import is_fp8
 from ..kernels.mla_decode import mla_decode
 from ..kernels.mla_decode_fp8 import mla_decode_fp8
-from ..kernels.paged_cpu import absorbed_decode_cpu
+from ..kernels.paged_cpu import absorbed_decode_cpu, as_dtype as _as
 from ..kernels.skinny_linear import skinny_bmm
 
 
@@ -129,11 +129,6 @@ def _value_projection(lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
     dest = lat.new_empty((lat.shape[1], lat.shape[0], w_uv_t.shape[2]))  # (bmm takes one dtype: the caller cast)
     skinny_bmm(lat, w_uv_t, out=dest.transpose(0, 1))
     return dest
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)`` without the call when it would do nothing (each call costs host time in an eager step)."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def gathered_latent(view, rank: int):

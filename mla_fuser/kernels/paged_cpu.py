@@ -21,7 +21,12 @@ import torch
 
 from .latent_fp8 import dequantise_rows, is_fp8, quantise_rows
 
-__all__ = ["absorbed_decode_cpu", "append_rows", "mla_decode_cpu", "paged_append_cpu", "sequence_rows"]
+__all__ = ["absorbed_decode_cpu", "append_rows", "as_dtype", "mla_decode_cpu", "paged_append_cpu", "sequence_rows"]
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the call when it would do nothing (each call costs host time in an eager step)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -44,16 +49,14 @@ def sequence_rows(kv_pages: torch.Tensor, page_ids: list[int], start: int, end: 
 
 def mla_decode_cpu(q, kv_pages, block_table, seq_lens, scale, v_dim, starts=None) -> torch.Tensor:
     """:func:`mla_decode_ref` for CPU tensors (same arguments, same result up to fp32 rounding order)."""
-    batch, heads, _ = q.shape
-    if batch == 0:
-        return q.new_zeros(batch, heads, v_dim)
-    out = _attend_sequences(_fp32(q), kv_pages, block_table, seq_lens, starts, scale, v_dim)
-    return out if out.dtype == q.dtype else out.to(q.dtype)
+    return as_dtype(_attend_sequences(_fp32(q), kv_pages, block_table, seq_lens, starts, scale, v_dim), q.dtype)
 
 
 def _attend_sequences(q32, kv_pages, block_table, seq_lens, starts, scale, v_dim) -> torch.Tensor:
     """fp32 ``[B, H, v_dim]``: each sequence's fp32 query rows ``q32[b] [H, D]`` over its own latent rows."""
     batch, heads, width = q32.shape
+    if batch == 0:
+        return q32.new_zeros(batch, heads, v_dim)
     lens = seq_lens.tolist()
     firsts = [0] * batch if starts is None else starts.tolist()
     table = block_table.tolist()
@@ -81,21 +84,14 @@ def absorbed_decode_cpu(q, w_uk, w_uv, b_v, kv_pages, block_table, seq_lens, sca
     :func:`mla_decode_cpu` does), attention in fp32 rounded back to ``latent_dtype``, then ``W_UV`` in its dtype."""
     nope, rank = w_uk.shape[1], w_uk.shape[2]
     q_nope, q_pe = q.narrow(-1, 0, nope), q.narrow(-1, nope, q.shape[-1] - nope)
-    q_lat = torch.bmm(q_nope.transpose(0, 1), _as(w_uk, q.dtype)).transpose(0, 1)  # [B, H, rank]
-    q_abs = torch.cat([_as(q_lat, latent_dtype), _as(q_pe, latent_dtype)], dim=-1)
-    if q.shape[0] == 0:
-        out_lat = q_abs.new_zeros(0, q.shape[1], rank)
-    else:
-        out_lat = _as(_attend_sequences(_fp32(q_abs), kv_pages, block_table, seq_lens, starts, scale, rank),
-                      latent_dtype)
-    out = torch.bmm(_as(out_lat.transpose(0, 1), w_uv.dtype), w_uv.transpose(1, 2))  # [H, B, v]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), as_dtype(w_uk, q.dtype)).transpose(0, 1)  # [B, H, rank]
+    q_abs = torch.cat([as_dtype(q_lat, latent_dtype), as_dtype(q_pe, latent_dtype)], dim=-1)
+    out_lat = as_dtype(_attend_sequences(_fp32(q_abs), kv_pages, block_table, seq_lens, starts, scale, rank),
+                       latent_dtype)
+    out = torch.bmm(as_dtype(out_lat.transpose(0, 1), w_uv.dtype), w_uv.transpose(1, 2))  # [H, B, v]
     if b_v is not None:
         out = out + b_v.unsqueeze(1)
-    return _as(out.transpose(0, 1), q.dtype)
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
+    return as_dtype(out.transpose(0, 1), q.dtype)
 
 
 def paged_append_cpu(kv_pages, block_table, seq_lens, kv_c, k_pe) -> None:
