@@ -158,6 +158,7 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
     from mla_fuser.kernels.fused_moe import (fused_experts, fused_experts_fp8, fused_experts_fp8_ref,
                                              fused_experts_fp8_triton, fused_experts_triton)
     from mla_fuser.kernels.fused_moe.fp8_launch import FP8_PREQUANT_MIN_TOKENS, choose_act_quant, choose_fp8_path
+    from mla_fuser.kernels.fused_moe.configs import get_moe_config
     from mla_fuser.kernels.fused_moe.launch import _choose_path, gemv_down_max_tokens
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -187,6 +188,14 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
                                                                            act_quant=True, prequant=True)
         variants["fp8_weight_only"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
                                                                          act_quant=False)
+        # the W8A8 GEMMs with their weight tiles by TMA (the same tiles, config key "W_TMA")
+        tiles = get_moe_config(choose_fp8_path("auto", t, t * k), t, k, shape["num_experts"], fp8=True, hidden=h,
+                               act_quant=True)
+        tma = {g: dict(tiles[g], W_TMA=True) for g in ("gemm1", "gemm2")}
+        variants["fp8_w8a8_tma"] = lambda i: fused_experts_fp8_triton(x, q1, s1, q2, s2, *routes[i], **layout,
+                                                                      act_quant=True, prequant=False, config=tma)
+        variants["fp8_w8a8_prequant_tma"] = lambda i: fused_experts_fp8_triton(
+            x, q1, s1, q2, s2, *routes[i], **layout, act_quant=True, prequant=True, config=tma)
         # fp16 activations: the weight-only GEMMs widen e4m3 to the activations' dtype, which for fp16 is one
         # cvt.rn.f16x2.e4m3x2 per two weights, where bf16 adds a cvt.bf16.f16 per weight (what decode-time FP8
         # costs in conversions, not bytes)
@@ -214,7 +223,7 @@ def bench_experts(args, eager_ms, graph_ms, result, device, tokens):
                 row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                 traceback.print_exc()
         for label in ("fp8", "fp8_gemms", "fp8_w8a8", "fp8_w8a8_prequant", "fp8_weight_only", "fp8_f16act",
-                      "fp8_gemms_f16act"):
+                      "fp8_gemms_f16act", "fp8_w8a8_tma", "fp8_w8a8_prequant_tma"):
             if f"{label}_ms" in row and "bf16_ms" in row:
                 row[f"{label}_speedup_vs_bf16"] = row["bf16_ms"] / row[f"{label}_ms"]
         result["rows"].append(row)
@@ -315,13 +324,14 @@ def w8_grid(tokens, dry_run):
 
 
 def tc_grid(tokens, dry_run):
-    """FP8 tensor-core candidates at ``tokens``.  Tiles with more than 64 accumulator elements per thread are left
-    out: each K tile's product and the accumulator are both live (the scales apply between them), so 128x128 on
-    4 warps or 128x256 on 8 spill (checked by compiling for sm_90)."""
+    """FP8 tensor-core candidates at ``tokens``, each with its tiles loaded from pointers and by TMA.  Tiles with more
+    than 64 accumulator elements per thread are left out: each K tile's product and the accumulator are both live
+    (the scales apply between them), so 128x128 on 4 warps or 128x256 on 8 spill (checked by compiling for sm_90,
+    by TMA too)."""
     from mla_fuser.kernels.fp8.linear import TCConfig
 
     if dry_run:
-        return [TCConfig(16, 16, 16, 2, 4, 2), TCConfig(16, 32, 32, 2, 4, 2)]
+        return [TCConfig(16, 16, 16, 2, 4, 2), TCConfig(16, 32, 32, 2, 4, 2, tma=True)]
     grid = []
     block_ms = (64,) if tokens <= 64 else (64, 128)
     widths = (64, 128) if tokens <= 512 else (128, 256)
@@ -331,7 +341,7 @@ def tc_grid(tokens, dry_run):
                 if bm * bn > 64 * 32 * warps:
                     continue
                 for stages in (3, 4) if tokens <= 512 else (3, 4, 5):
-                    grid.append(TCConfig(bm, bn, 128, 8, warps, stages))
+                    grid += [TCConfig(bm, bn, 128, 8, warps, stages, tma=tma) for tma in (False, True)]
     return grid
 
 
@@ -475,6 +485,14 @@ def run_sweep(args, result, device, eager_ms, graph_ms, log):
                     log(f"[{time.perf_counter() - started:6.1f}s] {name} T={t} {path}: best {top['ms'] * 1e3:.1f} us "
                         f"(bf16 {bf16_ms * 1e3:.1f} us, {row['speedup_vs_bf16']:.2f}x) {top['config']} "
                         f"splits={top.get('splits')} ({len(done)} ok)")
+                    if path == "fp8_tc":  # the best of each way of loading tiles, beside each other
+                        for tma in (False, True):
+                            own = [r for r in done if r["config"].get("tma") == tma]
+                            if own:
+                                best = min(own, key=lambda r: r["ms"])
+                                row[f"best_ms_tma_{tma}"] = best["ms"]
+                                log(f"    tiles {'by TMA' if tma else 'from pointers'}: {best['ms'] * 1e3:.1f} us "
+                                    f"({bf16_ms / best['ms']:.2f}x bf16) {best['config']}")
             x = ref = None  # (freed before the next size; not del: the timed lambdas close over these names)
         weights = None
         if device == "cuda":

@@ -414,6 +414,45 @@ def test_fp8_tensor_core_kernel_matches_its_reference(monkeypatch, m, n, k, bloc
     assert (out - weight_only).norm() < 0.1 * weight_only.norm()
 
 
+@pytest.mark.parametrize("m,n,k,block,tiles", [(3, 40, 96, (16, 32), (16, 16, 16)), (20, 40, 80, (16, 32), (16, 16, 32)),
+                                               (37, 72, 128, (32, 64), (32, 64, 64)), (5, 72, 80, (32, 16), (16, 64, 16))])
+def test_fp8_tensor_core_kernel_by_tma_equals_its_pointer_loads(monkeypatch, m, n, k, block, tiles):
+    """Tiles fed by tensor descriptors (``TCConfig.tma``): rows past M, columns past N and a K that is no multiple of
+    the tile read as zeros, so the product is the pointer-load kernel's, bit for bit."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(k * m)
+    weight, scale = quantize_block_fp8(torch.randn(n, k, generator=gen), block)
+    x = torch.randn(m, k, generator=gen) * 3
+    bias = torch.randn(n, generator=gen)
+    q, _ = fp8_linear.quantize_token_groups(x, block[1])
+    assert fp8_linear.tma_ready(x, q, weight)
+    launches = []
+    monkeypatch.setattr(fp8_linear, "_launcher", lambda *a, real=fp8_linear._launcher: (
+        lambda *args, **kw: launches.append(kw["TMA"]) or real(*a)(*args, **kw)))
+    cfg = fp8_linear.TCConfig(*tiles, group_m=2, warps=4, stages=2)
+    by_pointers = fp8_linear.fp8_linear_triton(x, weight, scale, bias, *block, config=cfg)
+    by_tma = fp8_linear.fp8_linear_triton(x, weight, scale, bias, *block, config=cfg._replace(tma=True))
+    assert launches == [False, True]
+    assert torch.equal(by_tma, by_pointers)
+    ref = block_fp8_linear_act_quant_ref(x, weight, scale, *block, bias)
+    assert torch.allclose(by_tma, ref, atol=1e-4, rtol=1e-5), (by_tma - ref).abs().max()
+
+
+def test_tma_only_where_a_descriptor_can_describe_the_operands(monkeypatch):
+    """Rows of 72 bytes (not a multiple of 16), a column-major view or a base off 16 bytes take the pointer loads;
+    off CUDA, only the interpreter stands in for a GPU with TMA."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(4, 128)
+    rows_72 = torch.zeros(8, 72, dtype=torch.float8_e4m3fn)
+    square = torch.zeros(32, 32, dtype=torch.float8_e4m3fn)
+    assert fp8_linear.tma_ready(x, square, torch.zeros(8, 128, dtype=torch.float8_e4m3fn))
+    assert not fp8_linear.tma_ready(x, rows_72)
+    assert not fp8_linear.tma_ready(x, square.t())
+    assert not fp8_linear.tma_ready(x, torch.zeros(4 * 128 + 8, dtype=torch.float8_e4m3fn)[8:].view(4, 128))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not fp8_linear.tma_ready(x, square)
+
+
 def test_activation_quantisation_over_several_programs_per_token(monkeypatch):
     """70 groups of 16 (the last partial) are 2 programs per token of 64 groups each; the scales come back as
     ``[M, groups]`` (stored group-major)."""

@@ -159,6 +159,36 @@ def test_w8a8_gemms_match_their_reference(monkeypatch, path, dtype, hidden, inte
 
 
 @needs_triton
+@pytest.mark.parametrize("hidden,inter,block,halves", [(80, 40, (32, 32), True), (64, 48, (16, 32), False),
+                                                       (128, 64, (64, 64), True)])
+@pytest.mark.parametrize("prequant", [False, True])
+def test_w8a8_weight_tiles_by_tma_equal_the_pointer_loads(monkeypatch, hidden, inter, block, halves, prequant):
+    """Weight tiles by TMA (the tile config's ``W_TMA``) are the tiles the pointer loads read: rows past the stack and
+    a K that is no multiple of the tile read as zeros, gate rows past ``N`` as up rows whose products the store drops;
+    the output is the same, bit for bit.  A stack whose rows are not on 16 bytes (the 40-wide down stack) keeps its
+    pointer loads."""
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    num_experts, tokens, topk = 5, 18, 2
+    stacks, layout = _stacks(num_experts, hidden, inter, block, halves)
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(tokens, hidden, generator=gen) * torch.logspace(-3, 0, hidden)).to(torch.bfloat16)
+    ids = torch.randint(0, num_experts, (tokens, topk), generator=gen)
+    ids[:, 0] = 0
+    w = torch.rand(tokens, topk, generator=gen)
+    dev = [t.to(DEVICE) for t in (x, *stacks, ids, w)]
+    asked = []
+    real = fp8_launch.tma_ready
+    monkeypatch.setattr(fp8_launch, "tma_ready", lambda a, wt: asked.append(real(a, wt)) or asked[-1])
+    tma_tiles = {k: dict(v, W_TMA=True) for k, v in W8A8_TILES.items()}
+    runs = {cfg_tma: fm.fused_experts_fp8_triton(*dev, path="aligned", config=tma_tiles if cfg_tma else W8A8_TILES,
+                                                 act_quant=True, prequant=prequant, **layout).cpu()
+            for cfg_tma in (False, True)}
+    assert asked == [True, inter % 16 == 0]  # (asked only where the config wants TMA: gate/up, then down)
+    assert torch.equal(runs[True], runs[False])
+
+
+@needs_triton
 def test_w8a8_prequantised_activations_are_the_in_kernel_ones(monkeypatch):
     """Quantising the activations before each GEMM gives the e4m3 values and scales the GEMM would compute in its
     registers, so both give the same bits (interpreted; compiled, to the last bf16 bit at most); auto prequantises

@@ -8,7 +8,10 @@ then ``cvt.f32.f16`` for the FMA GEMVs or ``cvt.bf16.f16`` for bf16 dots) and wh
 """
 
 import inspect
+import os
 import re
+import subprocess
+import tempfile
 import warnings
 
 import pytest
@@ -29,12 +32,21 @@ HOPPER = None if GPUTarget is None else GPUTarget("cuda", 90, 32)
 def _ptx(kernel, pointers: dict, constexprs: dict, num_warps=4, num_stages=2) -> str:
     """PTX of ``kernel`` (a ``LazyJit``) for sm_90: pointer arguments typed by ``pointers``, other non-constexpr
     arguments i32."""
+    return _compiled(kernel, pointers, constexprs, num_warps, num_stages).asm["ptx"]
+
+
+def _compiled(kernel, pointers: dict, constexprs: dict, num_warps=4, num_stages=2):
+    """``kernel`` compiled for sm_90 (see :func:`_ptx`)."""
     fn = kernel.get()
     if not isinstance(fn, triton.runtime.jit.JITFunction):  # under TRITON_INTERPRET the wrapper is the interpreter's
         pytest.skip("the interpreter is on in this process")
-    params = list(inspect.signature(fn.fn).parameters)
+    declared = inspect.signature(fn.fn).parameters
+    params = list(declared)
     missing = set(constexprs) - set(params)
     assert not missing, missing
+    # constexprs left out take their declared defaults
+    constexprs = {**{p: d.default for p, d in declared.items() if d.default is not inspect.Parameter.empty},
+                  **constexprs}
     signature = {p: "constexpr" if p in constexprs else pointers.get(p, "i32") for p in params}
     source = ASTSource(fn=fn, signature=signature, constexprs={(params.index(k),): v for k, v in constexprs.items()})
     with warnings.catch_warnings():
@@ -45,7 +57,22 @@ def _ptx(kernel, pointers: dict, constexprs: dict, num_warps=4, num_stages=2) ->
             if "ptxas" in str(exc).lower():
                 pytest.skip(f"cannot assemble for sm_90 here: {exc}")
             raise
-    return compiled.asm["ptx"]
+    return compiled
+
+
+def _resources(compiled) -> dict:
+    """Registers and stack bytes (spills) per thread of a compiled kernel, by the ``cuobjdump`` Triton bundles."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip("this Triton bundles no cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+)\s+STACK:(\d+)", usage)
+    assert found, usage
+    return {"registers": int(found.group(1)), "stack": int(found.group(2))}
 
 
 def _count(ptx: str, instruction: str) -> int:
@@ -127,6 +154,29 @@ def test_linear_w8a8_gemm_runs_on_fp8_tensor_cores(block_m, block_n, warps):
     assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 0 and _count(ptx, "cvt.bf16.f16") == 0
 
 
+@pytest.mark.parametrize("tma", [False, True])
+def test_linear_tensor_core_gemm_by_tma_keeps_its_accumulators_in_registers(tma):
+    """The prefill GEMM at the table's largest tile: fed by TMA (``cp.async.bulk.tensor``, two boxes per pipeline
+    stage) it holds its two 128x128 fp32 accumulators (the running sum and the K tile's product) in registers without
+    spilling; from pointers, the per-element addresses push it to the register limit and into spills (stack)."""
+    from mla_fuser.kernels.fp8.linear import TC_CONFIGS
+    from mla_fuser.kernels.fp8.triton_kernels import fp8_gemm_kernel
+
+    cfg = TC_CONFIGS[-1][2]
+    a = f"tensordesc<fp8e4nv[{cfg.block_m}, {cfg.block_k}]>" if tma else "*fp8e4nv"
+    b = f"tensordesc<fp8e4nv[{cfg.block_n}, {cfg.block_k}]>" if tma else "*fp8e4nv"
+    pointers = {"xq_ptr": a, "xs_ptr": "*fp32", "w_ptr": b, "s_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    consts = dict(HAS_BIAS=False, EVEN_K=True, SCALAR_B=True, UPCAST=False, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, TMA=tma)
+    compiled = _compiled(fp8_gemm_kernel, pointers, consts, num_warps=cfg.warps, num_stages=cfg.stages)
+    ptx = compiled.asm["ptx"]
+    assert _count(ptx, f"wgmma.mma_async.sync.aligned.m64n{cfg.block_n}k32.f32.e4m3.e4m3") > 0
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.", ptx)) == (2 * cfg.stages if tma else 0)
+    if tma:  # (from pointers, Triton 3.9 gives it 255 registers and a 904-byte stack of spills)
+        used = _resources(compiled)
+        assert used["stack"] == 0 and used["registers"] < 255, used
+
+
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("gated", [False, True])
 def test_fp8_expert_gemm_compiles(aligned, gated):
@@ -158,6 +208,28 @@ def test_fp8_expert_w8a8_gemm_runs_on_fp8_tensor_cores(aligned, block_m, block_n
     assert _count(ptx, f"wgmma.mma_async.sync.aligned.m64n{block_m}k32.f32.e4m3.e4m3") > 0
     assert _count(ptx, "cvt.rn.satfinite.e4m3x2.f32") > 0
     assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 0 and _count(ptx, "cvt.bf16.f16") == 0
+
+
+@pytest.mark.parametrize("block_m,block_n,warps,a_fp8", [(16, 64, 4, False), (64, 128, 8, True)])
+def test_fp8_expert_w8a8_gemm_by_tma_spills_little(block_m, block_n, warps, a_fp8):
+    """The experts' W8A8 GEMM at its decode and its 512-token tiles, weight tiles by TMA (``W_TMA``: bulk tensor
+    copies of the gate and the up tile per pipeline stage) against the pointer loads: the gate and up accumulators
+    with their K tile's products fill the registers, and the pointer loads' addresses and prefetched tiles spill
+    past them (Triton 3.9: 1048 and 1784 stack bytes; by TMA 0 and 80)."""
+    from mla_fuser.kernels.fused_moe.fp8_kernels import moe_w8_gemm_kernel
+
+    used = {}
+    for tma in (False, True):
+        pointers = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "as_ptr": "*fp32", "s_ptr": "*fp32", "c_ptr": "*bf16",
+                    "w_ptr": f"tensordesc<fp8e4nv[1, {block_n}, 128]>" if tma else "*fp8e4nv", "ids_ptr": "*i64",
+                    "rw_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_post_ptr": "*i32"}
+        consts = dict(A_ROW_DIV=6, ALIGNED=True, GATED=True, MUL_ROUTING=False, ACT=0, IEEE=False, UPCAST=False,
+                      SCAN_P=16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, ACT_QUANT=True,
+                      A_FP8=a_fp8, W_TMA=tma)
+        compiled = _compiled(moe_w8_gemm_kernel, pointers, consts, num_warps=warps, num_stages=3)
+        assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.", compiled.asm["ptx"])) == (6 if tma else 0)
+        used[tma] = _resources(compiled)
+    assert used[True]["stack"] <= used[False]["stack"] // 8, used
 
 
 @pytest.mark.parametrize("gated", [False, True])

@@ -46,6 +46,11 @@ from .format import FP8_DTYPE, FP8_MAX
 from .quant import dequantize_block_fp8, dequantize_token_groups, quantize_token_groups_ref
 from .triton_kernels import act_quant_kernel, fp8_gemm_kernel, splitk_reduce_kernel, w8_gemm_kernel, w8_gemv_kernel
 
+try:  # (Triton 3.4+: tensor descriptors built on the host, for tiles fed by the Tensor Memory Accelerator)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except Exception:  # noqa: BLE001 - no Triton, or an older one: pointer loads only
+    _TensorDescriptor = None
+
 # tokens from which the FP8 tensor-core path runs (benchmarks/bench_fp8_gemm.py measures both paths at every size)
 FP8_TENSOR_CORE_MIN_TOKENS = 128
 # up to this many tokens the GEMV runs.  It reads the weight once per token, so it pays at one token only: on an H200
@@ -112,6 +117,29 @@ def _has_fp8_mma(device_index: int) -> bool:
 
 def _cuda_index(x: torch.Tensor) -> int:
     return x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=8)
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def tma_ready(x: torch.Tensor, *operands: torch.Tensor) -> bool:
+    """A kernel can take ``operands``' tiles by TMA: this Triton builds tensor descriptors on the host, ``x``'s GPU
+    has a Tensor Memory Accelerator (compute capability >= 9.0; the interpreter stands in), and each operand is
+    contiguous in its last dimension with its base and every other stride on 16 bytes (what a descriptor can
+    describe)."""
+    if _TensorDescriptor is None:
+        return False
+    if not (_has_tma(_cuda_index(x)) if x.is_cuda else triton_interpreting()):
+        return False
+    return all(t.dim() >= 2 and t.stride(-1) == 1 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+               and t.data_ptr() % 16 == 0 for t in operands)
+
+
+def tensor_descriptor(t: torch.Tensor, box: list[int]):
+    """A host tensor descriptor of ``t`` read in ``box``-shaped tiles (after :func:`tma_ready` said yes)."""
+    return _TensorDescriptor.from_tensor(t, box)
 
 
 def has_fp8_tensor_cores(x: torch.Tensor) -> bool:
@@ -183,7 +211,8 @@ class W8Config(NamedTuple):
 
 class TCConfig(NamedTuple):
     """An FP8 tensor-core launch: tiles (``block_k`` divides the quantisation block's ``bk``), ``group_m`` row
-    tiles walked per column tile (L2 reuse of the weight tile), Triton's ``warps``/``stages``."""
+    tiles walked per column tile (L2 reuse of the weight tile), Triton's ``warps``/``stages``; ``tma``: the tiles
+    come by the Tensor Memory Accelerator where :func:`tma_ready` says they can (else by loads from pointers)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -191,6 +220,7 @@ class TCConfig(NamedTuple):
     group_m: int = 8
     warps: int = 8
     stages: int = 3
+    tma: bool = False
 
 
 # ``(max tokens, max N*K, config)``, None = no bound; the first row that fits a call applies.  Picked by
@@ -480,13 +510,18 @@ def fp8_linear_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block
     else:
         q, s = quantize_token_groups(x2, block_k)
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    a, b, tma = q, weight, plan.config.tma and tma_ready(x2, q, weight)
+    if tma:
+        cfg = plan.config
+        a = tensor_descriptor(q, [cfg.block_m, cfg.block_k])
+        b = tensor_descriptor(weight, [cfg.block_n, cfg.block_k])
     _launcher(fp8_gemm_kernel, plan.grid, warmup)(
-        q, s, weight, scale, bias if bias is not None else scale, out,
+        a, s, b, scale, bias if bias is not None else scale, out,
         m, n, k,
         q.stride(0), s.stride(0), s.stride(1), weight.stride(0), weight.stride(1), scale.stride(0), scale.stride(1),
         out.stride(0),
         block_n, block_k,
-        **plan.meta,
+        TMA=tma, **plan.meta,
     )
     return out
 

@@ -28,7 +28,10 @@ of ``BLOCK_K`` (``EVEN_K``).
 Compiled for sm_90 (Triton 3.9, on a CPU): the MMA variant's loads are pipelined (``cp.async``),
 the GEMV's are not (occupancy hides their latency: few registers, little shared memory); the tensor-core GEMM
 waits for each K tile's ``wgmma`` before scaling it, so one CTA never overlaps MMA and scaling -- two CTAs per SM
-do (64x128 tiles on 4 warps fit twice), and 128x128 on 4 warps or 128x256 on 8 spill registers.
+do (64x128 tiles on 4 warps fit twice), and 128x128 on 4 warps or 128x256 on 8 spill registers.  Loaded from
+pointers, even its 128x128 tile on 8 warps holds a register per address and prefetched element: 255 registers and
+408 stack bytes of spills (Triton 3.6; 904 in 3.9), where its tiles by TMA (``TMA``: host tensor descriptors, bulk
+tensor copies into shared memory) take 156 registers and no stack.
 
 Interpreter notes (Triton 3.9, checked): it loads and stores ``float8e4nv`` and multiplies e4m3 tiles in
 ``tl.dot``, but multiplies bf16 bit patterns as integers, so ``UPCAST`` widens the operands to fp32 there (off
@@ -228,10 +231,14 @@ def fp8_gemm_kernel(
     QBN, QBK,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SCALAR_B: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     """``out = (xq * xs) @ (W * ws)^T`` on FP8 tensor cores; activation groups are ``QBK`` wide (= the weight's
     ``bk``), so one K tile has one activation scale per row and one weight scale per column (one per tile when
-    ``SCALAR_B``: ``BLOCK_N`` divides ``QBN``).  Programs walk ``GROUP_M`` row tiles per column tile (L2 reuse)."""
+    ``SCALAR_B``: ``BLOCK_N`` divides ``QBN``).  Programs walk ``GROUP_M`` row tiles per column tile (L2 reuse).
+    With ``TMA``, ``xq_ptr`` and ``w_ptr`` are tensor descriptors of ``[BLOCK_M, BLOCK_K]`` and ``[BLOCK_N, BLOCK_K]``
+    boxes: the tiles arrive by the Tensor Memory Accelerator (no address per element in registers; rows and columns
+    past the tensor read as zeros)."""
     pid = tl.program_id(0)
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -242,8 +249,9 @@ def fp8_gemm_kernel(
     pid_n = (pid % per_group) // rows_here
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    a_rows = xq_ptr + tl.minimum(rows, M - 1)[:, None] * stride_xm
-    b_rows = w_ptr + tl.minimum(cols, N - 1)[:, None] * stride_wn
+    if not TMA:
+        a_rows = xq_ptr + tl.minimum(rows, M - 1)[:, None] * stride_xm
+        b_rows = w_ptr + tl.minimum(cols, N - 1)[:, None] * stride_wn
     a_scales = xs_ptr + tl.minimum(rows, M - 1) * stride_xsm
     if SCALAR_B:
         b_scales = s_ptr + (pid_n * BLOCK_N // QBN) * stride_sn
@@ -252,7 +260,10 @@ def fp8_gemm_kernel(
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
+        if TMA:
+            a = xq_ptr.load([pid_m * BLOCK_M, k0])
+            b = w_ptr.load([pid_n * BLOCK_N, k0])
+        elif EVEN_K:
             a = tl.load(a_rows + offs_k[None, :])
             b = tl.load(b_rows + offs_k[None, :] * stride_wk)
         else:

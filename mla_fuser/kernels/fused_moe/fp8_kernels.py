@@ -37,7 +37,7 @@ def moe_w8_gemm_kernel(
     A_ROW_DIV: tl.constexpr, ALIGNED: tl.constexpr, GATED: tl.constexpr, MUL_ROUTING: tl.constexpr,
     ACT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, SCAN_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT_QUANT: tl.constexpr, A_FP8: tl.constexpr,
+    ACT_QUANT: tl.constexpr, A_FP8: tl.constexpr, W_TMA: tl.constexpr = False,
 ):
     """``C[pair, n] = epilogue(A[pair // A_ROW_DIV, :] @ dequant(W[e])[n, :])``; grids as ``moe_gemm_kernel``.
 
@@ -49,7 +49,11 @@ def moe_w8_gemm_kernel(
     side and a handful of tokens its narrow one (Hopper's ``wgmma`` takes 64 rows; a 16-token tile there would pad
     to 64).  ``A_FP8`` (with ``ACT_QUANT``): ``A`` is already e4m3, quantised the same way by a launch of its own
     (``fp8.linear.quantize_token_groups``), its scales at ``as_ptr[row, k0 // BLOCK_K]``: at prefill sizes every
-    weight-column tile would otherwise quantise the same activation tile again (``as_ptr`` is unused without it)."""
+    weight-column tile would otherwise quantise the same activation tile again (``as_ptr`` is unused without it).
+    ``W_TMA`` (with ``ACT_QUANT``): ``w_ptr`` is a tensor descriptor of ``[1, BLOCK_N, BLOCK_K]`` boxes over the
+    weights ``[E, rows, K]``, and the weight tiles arrive by the Tensor Memory Accelerator (no address per element in
+    registers; rows past the stack and a K past the last tile read as zeros, gate rows past ``N`` as up rows, whose
+    products the store drops)."""
     if ALIGNED:
         pid = tl.program_id(0)
         num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -80,7 +84,8 @@ def moe_w8_gemm_kernel(
     g_rows = offs_n
     u_rows = offs_n + N if GATED else offs_n
     offs_k = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + e.to(tl.int64) * stride_we
+    if not W_TMA:
+        w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
     sg_rows = s_base + (offs_n // QBN) * stride_sn
     su_rows = s_base + (UP_SCALE_BASE + (offs_n + UP_ROW_SHIFT) // QBN) * stride_sn
@@ -104,8 +109,9 @@ def moe_w8_gemm_kernel(
             row_ok = j < cnt
         a_rows = (rows // A_ROW_DIV).to(tl.int64)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-        wg_ptrs = w_base + g_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-        wu_ptrs = w_base + u_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+        if not W_TMA:
+            wg_ptrs = w_base + g_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+            wu_ptrs = w_base + u_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
         if ACT_QUANT:
             acc_t = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
             acc_ut = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
@@ -127,24 +133,31 @@ def moe_w8_gemm_kernel(
                         aq_t = tl.trans((aq + magic) - magic)
                     else:
                         aq_t = tl.trans(aq.to(tl.float8e4nv))
-                wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if W_TMA:  # ([BLOCK_N, BLOCK_K] tiles, as the transposed product takes them)
+                    wg_t = w_ptr.load([e, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
+                else:
+                    wg_t = tl.trans(tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0))
                 sg = tl.load(sg_rows + (k0 // QBK) * stride_sk, mask=n_ok, other=0.0)
                 if UPCAST:
-                    part = tl.dot(tl.trans(wg.to(tl.float32)), aq_t, input_precision="ieee")
+                    part = tl.dot(wg_t.to(tl.float32), aq_t, input_precision="ieee")
                 else:
-                    part = tl.dot(tl.trans(wg), aq_t)
+                    part = tl.dot(wg_t, aq_t)
                 acc_t += part * sg[:, None] * a_scale[None, :]
                 if GATED:
-                    wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    if W_TMA:
+                        wu_t = w_ptr.load([e, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
+                    else:
+                        wu_t = tl.trans(tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0))
                     su = tl.load(su_rows + (k0 // QBK) * stride_sk, mask=n_ok, other=0.0)
                     if UPCAST:
-                        part_u = tl.dot(tl.trans(wu.to(tl.float32)), aq_t, input_precision="ieee")
+                        part_u = tl.dot(wu_t.to(tl.float32), aq_t, input_precision="ieee")
                     else:
-                        part_u = tl.dot(tl.trans(wu), aq_t)
+                        part_u = tl.dot(wu_t, aq_t)
                     acc_ut += part_u * su[:, None] * a_scale[None, :]
                 a_ptrs += BLOCK_K * stride_ak
-                wg_ptrs += BLOCK_K * stride_wk
-                wu_ptrs += BLOCK_K * stride_wk
+                if not W_TMA:
+                    wg_ptrs += BLOCK_K * stride_wk
+                    wu_ptrs += BLOCK_K * stride_wk
             acc = tl.trans(acc_t)
             acc_u = tl.trans(acc_ut)
         else:

@@ -26,7 +26,8 @@ import torch
 from ... import envs
 from ..dispatch import cdiv, kernel_op, next_pow2, pow2_divisor, triton_interpreting, use_triton
 from ..fp8.linear import gemv_block_n as linear_gemv_block_n
-from ..fp8.linear import W8A8_DTYPES, W8A8_GROUPS, has_fp8_tensor_cores, quantize_token_groups
+from ..fp8.linear import (W8A8_DTYPES, W8A8_GROUPS, has_fp8_tensor_cores, quantize_token_groups, tensor_descriptor,
+                          tma_ready)
 from .fp8_kernels import moe_w8_gemm_kernel
 from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
 from .launch import (_choose_path, _tiles, align_tokens_to_experts, gemv_down_max_tokens, launch_down_gemv,
@@ -134,8 +135,10 @@ def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out
         num_m_blocks = expert_ids.numel()
         grid = (num_m_blocks * cdiv(n_out, block_n),)
     fp8_a = a_scale is not None
+    # (the W8A8 GEMM can take its weight tiles by TMA where the tile's config asks for it: key "W_TMA")
+    w_tma = act_quant and bool(cfg.get("W_TMA", False)) and tma_ready(a, w)
     moe_w8_gemm_kernel[grid](
-        a, a_scale if fp8_a else scale, w, scale, c, flat_ids, routing if routing is not None else c, sorted_ids,
+        a, a_scale if fp8_a else scale, tensor_descriptor(w, [1, block_n, block_k]) if w_tma else w, scale, c, flat_ids, routing if routing is not None else c, sorted_ids,
         expert_ids, num_post,
         num_pairs, n_out, k_dim, num_m_blocks,
         a.stride(0), a.stride(1), a_scale.stride(0) if fp8_a else 0, a_scale.stride(1) if fp8_a else 0,
@@ -146,7 +149,7 @@ def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out
         IEEE=a.dtype == torch.float32, UPCAST=not a.is_cuda and triton_interpreting(), A_FP8=fp8_a,
         SCAN_P=cfg.get("SCAN_P", min(512, max(16, next_pow2(num_pairs)))),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.get("GROUP_M", 1), ACT_QUANT=act_quant,
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        W_TMA=w_tma, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
 
 
