@@ -685,6 +685,20 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                 w8a8 = fp8_linear.table_config(fp8_linear.W8A8_CONFIGS, t, n * k)._replace(block_k=block[1])
                 variants["w8a8"] = lambda i, c=w8a8: fp8_linear.w8_linear_triton(x, *weights[i][:2], None, *block,
                                                                                 config=c)
+            # the same GEMMs with the same tiles, their weight tiles (and the tensor-core GEMM's activation tiles) by TMA
+            bk = fp8_linear.pow2_divisor(block[1], 128)  # (the tables' K tile capped as their launches cap it)
+            w8 = fp8_linear.table_config(fp8_linear.W8_CONFIGS, t, n * k)
+            w8 = w8._replace(tma=True, block_k=min(w8.block_k, bk))
+            variants["weight_only_tma"] = lambda i, c=w8: fp8_linear.w8_linear_triton(x, *weights[i][:2], None, *block,
+                                                                                     config=c)
+            if "fp8_tc" in variants:
+                tc = fp8_linear.table_config(fp8_linear.TC_CONFIGS, t, n * k)
+                tc = tc._replace(tma=True, block_k=min(tc.block_k, bk))
+                variants["fp8_tc_tma"] = lambda i, c=tc: fp8_linear.fp8_linear_triton(x, *weights[i][:2], None, *block,
+                                                                                     config=c)
+            if "w8a8" in variants:
+                variants["w8a8_tma"] = lambda i, c=w8a8._replace(tma=True): fp8_linear.w8_linear_triton(
+                    x, *weights[i][:2], None, *block, config=c)
             row = {"shape": name, "N": n, "K": k, "tokens": t, "auto_path": fp8_linear.choose_path(t, x, n, k, *block)}
             for label, fn in variants.items():
                 try:
@@ -703,7 +717,7 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                 except Exception as exc:  # record and go on: one run on the GPU must give every other number
                     row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                     traceback.print_exc()
-            for label in ("weight_only", "gemv", "fp8_tc", "w8a8", "auto"):
+            for label in ("weight_only", "gemv", "fp8_tc", "w8a8", "auto", "weight_only_tma", "fp8_tc_tma", "w8a8_tma"):
                 for kind in ("", "eager_"):
                     if f"{label}_{kind}ms" in row and f"bf16_mm_{kind}ms" in row:
                         row[f"{label}_{kind}speedup_vs_bf16"] = row[f"bf16_mm_{kind}ms"] / row[f"{label}_{kind}ms"]

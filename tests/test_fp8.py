@@ -173,6 +173,36 @@ def test_weight_only_gemm_w8a8_variant_matches_its_reference(monkeypatch, m, n, 
     assert to_ref * 2 <= (out.float() - weight_only.float()).abs().mean().item()
 
 
+@pytest.mark.parametrize("variant", ["mma_k32", "gemv4", "w8a8"])
+@pytest.mark.parametrize("m,n,k,block,splits", [(3, 40, 96, (16, 32), 1), (17, 100, 96, (32, 32), 2),
+                                                (5, 64, 80, (32, 32), 3)])
+@pytest.mark.parametrize("fixup", ["0", "1"])
+def test_weight_only_gemm_weight_tiles_by_tma_equal_its_pointer_loads(monkeypatch, variant, m, n, k, block, splits,
+                                                                      fixup):
+    """``W8Config.tma``: the weight tiles by TMA are the pointer loads' tiles (rows past N and a K past the tensor
+    read as zeros), for the MMA, the GEMV and the W8A8 variants, K split or not, summed by the fix-up or the
+    reduction: the outputs are equal, bit for bit."""
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MLA_FUSER_SPLITK_FIXUP", fixup)
+    gen = torch.Generator().manual_seed(m * n + k)
+    weight, scale = quantize_block_fp8(torch.randn(n, k, generator=gen), block)
+    dtype = torch.bfloat16 if variant == "w8a8" else torch.float32
+    x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 0, k)).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    cfg = W8(16, 64, block[1], warps=4, stages=2, fill=0, act_quant=True) if variant == "w8a8" else \
+        W8_VARIANTS[variant]
+    dev = [t.to(DEVICE) for t in (x, weight, scale, bias)]
+    asked = []
+    real = fp8_linear.tma_ready
+    monkeypatch.setattr(fp8_linear, "tma_ready", lambda *a: asked.append(real(*a)) or asked[-1])
+    by_pointers = fp8_linear.w8_linear_triton(*dev, *block, splits=splits, config=cfg).cpu()
+    assert asked == []
+    by_tma = fp8_linear.w8_linear_triton(*dev, *block, splits=splits, config=cfg._replace(tma=True)).cpu()
+    assert asked == [True]
+    assert torch.equal(by_tma, by_pointers)
+
+
 def test_weight_only_gemm_w8a8_variant_refuses_what_it_cannot_run():
     cfg = W8(16, 64, 128, fill=0, act_quant=True)
     for block_n, block_k, dtype in ((128, 128, torch.float32), (0, 0, torch.bfloat16), (16, 16, torch.bfloat16)):

@@ -195,7 +195,8 @@ class W8Config(NamedTuple):
     programs per SM when the output tiles alone give fewer (0: never split); ``dot``: tensor-core MMA on the
     widened weights, else an fp32 multiply-and-sum (a GEMV, for ``block_m`` 1-4); ``act_quant``: W8A8 instead
     (``w8_gemm_kernel``'s ``ACT_QUANT``: activations quantised in the kernel, FP8 tensor cores; ``block_k`` must be the
-    quantisation block's ``bk``, one of ``W8A8_GROUPS``, and ``block_n`` at least 64; ``W8A8_CONFIGS``).  (fp16
+    quantisation block's ``bk``, one of ``W8A8_GROUPS``, and ``block_n`` at least 64; ``W8A8_CONFIGS``); ``tma``:
+    the weight tiles come by the Tensor Memory Accelerator where :func:`tma_ready` says they can.  (fp16
     dots on power-of-two-scaled bf16 rows, which avoid widening e4m3 through fp16 to bf16, were slower on an H200 at
     1-16 tokens on every shape measured, e.g. V3's MLP down 77 against 63 us: ``fp8_gemm_variants.json``.)"""
 
@@ -207,6 +208,7 @@ class W8Config(NamedTuple):
     fill: int = 2
     dot: bool = True
     act_quant: bool = False
+    tma: bool = False
 
 
 class TCConfig(NamedTuple):
@@ -401,13 +403,14 @@ def w8_linear_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_
     split = plan.splits > 1
     dest = torch.empty((plan.splits, m, n), dtype=torch.float32, device=x2.device) if split else out
     tickets = split_tickets(x2.device) if plan.fixup else dest  # (an unused pointer without the fix-up)
+    w_tma = plan.config.tma and tma_ready(x2, weight)
     _launcher(w8_gemm_kernel, plan.grid, warmup)(
-        x2, weight, scale2, bias if plan.meta["HAS_BIAS"] else scale2, dest, out, tickets,
+        x2, tensor_descriptor(weight, [plan.config.block_n, plan.config.block_k]) if w_tma else weight, scale2, bias if plan.meta["HAS_BIAS"] else scale2, dest, out, tickets,
         m, n, k, plan.k_per_split,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), scale2.stride(0), scale2.stride(1),
         m * n if split else 0, n,
         qbn, qbk,
-        **plan.meta,
+        W_TMA=w_tma, **plan.meta,
     )
     if split and not plan.fixup:
         _launcher(splitk_reduce_kernel, plan.reduce_grid, warmup)(

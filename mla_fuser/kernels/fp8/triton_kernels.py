@@ -51,7 +51,7 @@ def w8_gemm_kernel(
     QBN, QBK,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FIXUP: tl.constexpr,
-    ACT_QUANT: tl.constexpr,
+    ACT_QUANT: tl.constexpr, W_TMA: tl.constexpr = False,
 ):
     """``ACT_QUANT`` (W8A8; ``BLOCK_K`` is the quantisation block's ``bk``): each ``[BLOCK_M, BLOCK_K]`` activation
     tile is quantised in registers, one max-abs e4m3 scale per token and ``bk`` features (the tensor-core path's
@@ -65,7 +65,10 @@ def w8_gemm_kernel(
     ticket from the tile's counter in ``tickets_ptr`` (an atomic add, acquire-release at GPU scope: the release
     publishes the CTA's stores, as in a cooperative grid sync); the split that draws the last ticket reads the
     partials past L1 (``.cg``) and sets the counter back to 0 for the next launch.  Counters start at 0 and no two
-    launches in flight share them (``linear.split_tickets``)."""
+    launches in flight share them (``linear.split_tickets``).
+
+    ``W_TMA``: ``w_ptr`` is a tensor descriptor of ``[BLOCK_N, BLOCK_K]`` boxes, and the weight tiles arrive by the
+    Tensor Memory Accelerator (rows past ``N`` and a K past the tensor read as zeros)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -73,7 +76,8 @@ def w8_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = (rows < M)[:, None]
     x_rows = x_ptr + rows[:, None] * stride_xm
-    w_rows = w_ptr + tl.minimum(cols, N - 1)[:, None] * stride_wn
+    if not W_TMA:
+        w_rows = w_ptr + tl.minimum(cols, N - 1)[:, None] * stride_wn
     s_rows = s_ptr + (tl.minimum(cols, N - 1) // QBN) * stride_sn
     if ACT_QUANT:
         acc = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
@@ -84,11 +88,15 @@ def w8_gemm_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_ok, other=0.0)
-            w = tl.load(w_rows + offs_k[None, :] * stride_wk)
+            if not W_TMA:
+                w = tl.load(w_rows + offs_k[None, :] * stride_wk)
         else:
             k_ok = offs_k[None, :] < K
             x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_ok & k_ok, other=0.0)
-            w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=k_ok, other=0.0)
+            if not W_TMA:
+                w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=k_ok, other=0.0)
+        if W_TMA:
+            w = w_ptr.load([pid_n * BLOCK_N, k0])
         scale = tl.load(s_rows + (k0 // QBK) * stride_sk)
         if ACT_QUANT:
             xf = x.to(tl.float32)
