@@ -23,6 +23,7 @@ from mla_fuser.kernels import fused_moe as fm
 from mla_fuser.kernels.dispatch import triton_available
 from mla_fuser.kernels.fp8 import dequantize_block_fp8, quantize_block_fp8
 from mla_fuser.kernels.fp8.experts import explain_fp8_experts, quantize_expert_stack
+from mla_fuser.kernels.fp8.linear import HAS_HOST_TENSOR_DESCRIPTORS
 from mla_fuser.kernels.fused_moe import configs, fp8_launch
 from mla_fuser.kernels.fused_moe.fp8_reference import dequantize_expert
 
@@ -35,6 +36,8 @@ from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear  #
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
+needs_tma = pytest.mark.skipif(not HAS_HOST_TENSOR_DESCRIPTORS,
+                               reason="this Triton builds no tensor descriptors on the host (3.4 on)")
 TINY = {"gemm1": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, SCAN_P=16),
         "gemm2": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, SCAN_P=32)}
 
@@ -158,6 +161,7 @@ def test_w8a8_gemms_match_their_reference(monkeypatch, path, dtype, hidden, inte
     assert to_ref * 2 <= to_weight_only, (to_ref, to_weight_only)
 
 
+@needs_tma
 @needs_triton
 @pytest.mark.parametrize("hidden,inter,block,halves", [(80, 40, (32, 32), True), (64, 48, (16, 32), False),
                                                        (128, 64, (64, 64), True)])

@@ -7,6 +7,7 @@ this compiles the FP8 decode kernels' variants and checks in the PTX how they wi
 then ``cvt.f32.f16`` for the FMA GEMVs or ``cvt.bf16.f16`` for bf16 dots) and which dots they run.
 """
 
+import importlib.util
 import inspect
 import os
 import re
@@ -27,6 +28,8 @@ except ImportError:  # pragma: no cover - an older Triton
 pytestmark = pytest.mark.skipif(GPUTarget is None, reason="this Triton cannot compile for another target")
 
 HOPPER = None if GPUTarget is None else GPUTarget("cuda", 90, 32)
+HAS_TMA = importlib.util.find_spec("triton.tools.tensor_descriptor") is not None  # (Triton 3.4 on)
+needs_tma = pytest.mark.skipif(not HAS_TMA, reason="this Triton has no tensor descriptors (3.4 on)")
 
 
 def _ptx(kernel, pointers: dict, constexprs: dict, num_warps=4, num_stages=2) -> str:
@@ -154,6 +157,7 @@ def test_linear_w8a8_gemm_runs_on_fp8_tensor_cores(block_m, block_n, warps):
     assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 0 and _count(ptx, "cvt.bf16.f16") == 0
 
 
+@needs_tma
 @pytest.mark.parametrize("tma", [False, True])
 def test_linear_tensor_core_gemm_by_tma_keeps_its_accumulators_in_registers(tma):
     """The prefill GEMM at the table's largest tile: fed by TMA (``cp.async.bulk.tensor``, two boxes per pipeline
@@ -177,6 +181,7 @@ def test_linear_tensor_core_gemm_by_tma_keeps_its_accumulators_in_registers(tma)
         assert used["stack"] == 0 and used["registers"] < 255, used
 
 
+@needs_tma
 @pytest.mark.parametrize("block_m,block_n,act_quant", [(16, 64, True), (16, 32, False)])
 def test_linear_split_k_gemm_by_tma_takes_fewer_registers(block_m, block_n, act_quant):
     """The split-K GEMM's decode tiles (W8A8 at up to 16 tokens, weight-only MMA) with the weight tiles by TMA: bulk
@@ -230,6 +235,7 @@ def test_fp8_expert_w8a8_gemm_runs_on_fp8_tensor_cores(aligned, block_m, block_n
     assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 0 and _count(ptx, "cvt.bf16.f16") == 0
 
 
+@needs_tma
 @pytest.mark.parametrize("block_m,block_n,warps,a_fp8", [(16, 64, 4, False), (64, 128, 8, True)])
 def test_fp8_expert_w8a8_gemm_by_tma_spills_little(block_m, block_n, warps, a_fp8):
     """The experts' W8A8 GEMM at its decode and its 512-token tiles, weight tiles by TMA (``W_TMA``: bulk tensor

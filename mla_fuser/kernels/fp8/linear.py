@@ -50,6 +50,7 @@ try:  # (Triton 3.4+: tensor descriptors built on the host, for tiles fed by the
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
 except Exception:  # noqa: BLE001 - no Triton, or an older one: pointer loads only
     _TensorDescriptor = None
+HAS_HOST_TENSOR_DESCRIPTORS = _TensorDescriptor is not None
 
 # tokens from which the FP8 tensor-core path runs (benchmarks/bench_fp8_gemm.py measures both paths at every size)
 FP8_TENSOR_CORE_MIN_TOKENS = 128
