@@ -685,7 +685,8 @@ def bench_gemms(args, result, device, shapes, tokens, eager_ms, graph_ms):
                 w8a8 = fp8_linear.table_config(fp8_linear.W8A8_CONFIGS, t, n * k)._replace(block_k=block[1])
                 variants["w8a8"] = lambda i, c=w8a8: fp8_linear.w8_linear_triton(x, *weights[i][:2], None, *block,
                                                                                 config=c)
-            # the same GEMMs with the same tiles, their weight tiles (and the tensor-core GEMM's activation tiles) by TMA
+            # the same GEMMs with the same tiles, their weight tiles (and the tensor-core GEMM's activation tiles) by
+            # TMA
             bk = fp8_linear.pow2_divisor(block[1], 128)  # (the tables' K tile capped as their launches cap it)
             w8 = fp8_linear.table_config(fp8_linear.W8_CONFIGS, t, n * k)
             w8 = w8._replace(tma=True, block_k=min(w8.block_k, bk))

@@ -448,8 +448,10 @@ def test_fp8_tensor_core_kernel_matches_its_reference(monkeypatch, m, n, k, bloc
 
 
 @needs_tma
-@pytest.mark.parametrize("m,n,k,block,tiles", [(3, 40, 96, (16, 32), (16, 16, 16)), (20, 40, 80, (16, 32), (16, 16, 32)),
-                                               (37, 72, 128, (32, 64), (32, 64, 64)), (5, 72, 80, (32, 16), (16, 64, 16))])
+@pytest.mark.parametrize("m,n,k,block,tiles", [(3, 40, 96, (16, 32), (16, 16, 16)),
+                                               (20, 40, 80, (16, 32), (16, 16, 32)),
+                                               (37, 72, 128, (32, 64), (32, 64, 64)),
+                                               (5, 72, 80, (32, 16), (16, 64, 16))])
 def test_fp8_tensor_core_kernel_by_tma_equals_its_pointer_loads(monkeypatch, m, n, k, block, tiles):
     """Tiles fed by tensor descriptors (``TCConfig.tma``): rows past M, columns past N and a K that is no multiple of
     the tile read as zeros, so the product is the pointer-load kernel's, bit for bit."""

@@ -138,9 +138,10 @@ def tma_ready(x: torch.Tensor, *operands: torch.Tensor) -> bool:
                and t.data_ptr() % 16 == 0 for t in operands)
 
 
-def tensor_descriptor(t: torch.Tensor, box: list[int]):
-    """A host tensor descriptor of ``t`` read in ``box``-shaped tiles (after :func:`tma_ready` said yes)."""
-    return _TensorDescriptor.from_tensor(t, box)
+def tma_operand(t: torch.Tensor, box: list[int], by_tma: bool):
+    """What a kernel taking ``t`` gets: with ``by_tma`` (after :func:`tma_ready` said yes), a host tensor descriptor
+    of ``t`` read in ``box``-shaped tiles; else ``t`` itself."""
+    return _TensorDescriptor.from_tensor(t, box) if by_tma else t
 
 
 def has_fp8_tensor_cores(x: torch.Tensor) -> bool:
@@ -404,9 +405,11 @@ def w8_linear_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block_
     split = plan.splits > 1
     dest = torch.empty((plan.splits, m, n), dtype=torch.float32, device=x2.device) if split else out
     tickets = split_tickets(x2.device) if plan.fixup else dest  # (an unused pointer without the fix-up)
-    w_tma = plan.config.tma and tma_ready(x2, weight)
+    cfg = plan.config
+    w_tma = cfg.tma and tma_ready(x2, weight)
     _launcher(w8_gemm_kernel, plan.grid, warmup)(
-        x2, tensor_descriptor(weight, [plan.config.block_n, plan.config.block_k]) if w_tma else weight, scale2, bias if plan.meta["HAS_BIAS"] else scale2, dest, out, tickets,
+        x2, tma_operand(weight, [cfg.block_n, cfg.block_k], w_tma), scale2,
+        bias if plan.meta["HAS_BIAS"] else scale2, dest, out, tickets,
         m, n, k, plan.k_per_split,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), scale2.stride(0), scale2.stride(1),
         m * n if split else 0, n,
@@ -514,13 +517,11 @@ def fp8_linear_triton(x2: torch.Tensor, weight, scale, bias, block_n: int, block
     else:
         q, s = quantize_token_groups(x2, block_k)
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    a, b, tma = q, weight, plan.config.tma and tma_ready(x2, q, weight)
-    if tma:
-        cfg = plan.config
-        a = tensor_descriptor(q, [cfg.block_m, cfg.block_k])
-        b = tensor_descriptor(weight, [cfg.block_n, cfg.block_k])
+    cfg = plan.config
+    tma = cfg.tma and tma_ready(x2, q, weight)
     _launcher(fp8_gemm_kernel, plan.grid, warmup)(
-        a, s, b, scale, bias if bias is not None else scale, out,
+        tma_operand(q, [cfg.block_m, cfg.block_k], tma), s, tma_operand(weight, [cfg.block_n, cfg.block_k], tma),
+        scale, bias if bias is not None else scale, out,
         m, n, k,
         q.stride(0), s.stride(0), s.stride(1), weight.stride(0), weight.stride(1), scale.stride(0), scale.stride(1),
         out.stride(0),

@@ -88,15 +88,15 @@ def w8_gemm_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_ok, other=0.0)
-            if not W_TMA:
-                w = tl.load(w_rows + offs_k[None, :] * stride_wk)
         else:
             k_ok = offs_k[None, :] < K
             x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_ok & k_ok, other=0.0)
-            if not W_TMA:
-                w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=k_ok, other=0.0)
         if W_TMA:
             w = w_ptr.load([pid_n * BLOCK_N, k0])
+        elif EVEN_K:
+            w = tl.load(w_rows + offs_k[None, :] * stride_wk)
+        else:
+            w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=k_ok, other=0.0)
         scale = tl.load(s_rows + (k0 // QBK) * stride_sk)
         if ACT_QUANT:
             xf = x.to(tl.float32)

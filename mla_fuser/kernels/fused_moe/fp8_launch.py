@@ -26,7 +26,7 @@ import torch
 from ... import envs
 from ..dispatch import cdiv, kernel_op, next_pow2, pow2_divisor, triton_interpreting, use_triton
 from ..fp8.linear import gemv_block_n as linear_gemv_block_n
-from ..fp8.linear import (W8A8_DTYPES, W8A8_GROUPS, has_fp8_tensor_cores, quantize_token_groups, tensor_descriptor,
+from ..fp8.linear import (W8A8_DTYPES, W8A8_GROUPS, has_fp8_tensor_cores, quantize_token_groups, tma_operand,
                           tma_ready)
 from .fp8_kernels import moe_w8_gemm_kernel
 from .fp8_reference import check_fp8_shapes, fused_experts_fp8_ref
@@ -138,8 +138,8 @@ def launch_w8_gemm(*, a, w, scale, c, flat_ids, routing, align, num_pairs, n_out
     # (the W8A8 GEMM can take its weight tiles by TMA where the tile's config asks for it: key "W_TMA")
     w_tma = act_quant and bool(cfg.get("W_TMA", False)) and tma_ready(a, w)
     moe_w8_gemm_kernel[grid](
-        a, a_scale if fp8_a else scale, tensor_descriptor(w, [1, block_n, block_k]) if w_tma else w, scale, c, flat_ids, routing if routing is not None else c, sorted_ids,
-        expert_ids, num_post,
+        a, a_scale if fp8_a else scale, tma_operand(w, [1, block_n, block_k], w_tma), scale, c, flat_ids,
+        routing if routing is not None else c, sorted_ids, expert_ids, num_post,
         num_pairs, n_out, k_dim, num_m_blocks,
         a.stride(0), a.stride(1), a_scale.stride(0) if fp8_a else 0, a_scale.stride(1) if fp8_a else 0,
         w.stride(0), w.stride(1), w.stride(2),
