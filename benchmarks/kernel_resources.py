@@ -27,13 +27,16 @@ import warnings
 
 def compile_sm90(jit_fn, types: dict, consts: dict, warps: int, stages: int):
     """``jit_fn`` (a ``JITFunction``) compiled for sm_90; arguments not in ``types`` / ``consts`` are i32, declared
-    constexpr defaults apply."""
+    constexpr defaults apply (``tests/test_kernel_compile.py`` compiles through this too)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     declared = inspect.signature(jit_fn.fn).parameters
     names = list(declared)
+    unknown = set(consts) - set(names)
+    if unknown:
+        raise ValueError(f"not parameters of {jit_fn.fn.__name__}: {sorted(unknown)}")
     consts = {**{n: p.default for n, p in declared.items() if p.default is not inspect.Parameter.empty}, **consts}
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     source = ASTSource(fn=jit_fn, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
@@ -43,18 +46,29 @@ def compile_sm90(jit_fn, types: dict, consts: dict, warps: int, stages: int):
                               options=dict(num_warps=warps, num_stages=stages))
 
 
-def usage(compiled) -> dict:
+def cuobjdump() -> str | None:
+    """The ``cuobjdump`` this Triton bundles, or None."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return tool if os.path.exists(tool) else None
+
+
+def resource_usage(compiled) -> dict:
+    """Registers per thread and stack bytes (spills) of a compiled kernel's cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    regs, stack = re.search(r"REG:(\d+)\s+STACK:(\d+)", text).groups()
+        text = subprocess.run([cuobjdump(), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+)\s+STACK:(\d+)", text)
+    if not found:
+        raise RuntimeError(f"no resource usage in cuobjdump's output: {text[:300]}")
+    return {"registers": int(found.group(1)), "stack_bytes": int(found.group(2))}
+
+
+def usage(compiled) -> dict:
     ptx = compiled.asm["ptx"]
-    return {"registers": int(regs), "stack_bytes": int(stack),
-            "bulk_tensor_copies": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+    return {**resource_usage(compiled), "bulk_tensor_copies": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
             "wgmma": len(re.findall(r"wgmma\.mma_async", ptx))}
 
 

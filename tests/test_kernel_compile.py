@@ -8,12 +8,8 @@ then ``cvt.f32.f16`` for the FMA GEMVs or ``cvt.bf16.f16`` for bf16 dots) and wh
 """
 
 import importlib.util
-import inspect
 import os
 import re
-import subprocess
-import tempfile
-import warnings
 
 import pytest
 
@@ -22,12 +18,17 @@ triton = pytest.importorskip("triton")
 try:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    CROSS_COMPILES = GPUTarget is not None and ASTSource is not None
 except ImportError:  # pragma: no cover - an older Triton
-    GPUTarget = None
+    CROSS_COMPILES = False
 
-pytestmark = pytest.mark.skipif(GPUTarget is None, reason="this Triton cannot compile for another target")
+pytestmark = pytest.mark.skipif(not CROSS_COMPILES, reason="this Triton cannot compile for another target")
 
-HOPPER = None if GPUTarget is None else GPUTarget("cuda", 90, 32)
+_SPEC = importlib.util.spec_from_file_location(
+    "kernel_resources", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                                     "kernel_resources.py"))
+KERNEL_RESOURCES = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(KERNEL_RESOURCES)
 HAS_TMA = importlib.util.find_spec("triton.tools.tensor_descriptor") is not None  # (Triton 3.4 on)
 needs_tma = pytest.mark.skipif(not HAS_TMA, reason="this Triton has no tensor descriptors (3.4 on)")
 
@@ -39,43 +40,24 @@ def _ptx(kernel, pointers: dict, constexprs: dict, num_warps=4, num_stages=2) ->
 
 
 def _compiled(kernel, pointers: dict, constexprs: dict, num_warps=4, num_stages=2):
-    """``kernel`` compiled for sm_90 (see :func:`_ptx`)."""
+    """``kernel`` compiled for sm_90 (see :func:`_ptx`) by ``benchmarks/kernel_resources.py``'s ``compile_sm90``
+    (constexprs left out take their declared defaults)."""
     fn = kernel.get()
     if not isinstance(fn, triton.runtime.jit.JITFunction):  # under TRITON_INTERPRET the wrapper is the interpreter's
         pytest.skip("the interpreter is on in this process")
-    declared = inspect.signature(fn.fn).parameters
-    params = list(declared)
-    missing = set(constexprs) - set(params)
-    assert not missing, missing
-    # constexprs left out take their declared defaults
-    constexprs = {**{p: d.default for p, d in declared.items() if d.default is not inspect.Parameter.empty},
-                  **constexprs}
-    signature = {p: "constexpr" if p in constexprs else pointers.get(p, "i32") for p in params}
-    source = ASTSource(fn=fn, signature=signature, constexprs={(params.index(k),): v for k, v in constexprs.items()})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            compiled = triton.compile(source, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages))
-        except RuntimeError as exc:  # no ptxas / CUDA backend in this Triton build
-            if "ptxas" in str(exc).lower():
-                pytest.skip(f"cannot assemble for sm_90 here: {exc}")
-            raise
-    return compiled
+    try:
+        return KERNEL_RESOURCES.compile_sm90(fn, pointers, constexprs, num_warps, num_stages)
+    except RuntimeError as exc:  # no ptxas / CUDA backend in this Triton build
+        if "ptxas" in str(exc).lower():
+            pytest.skip(f"cannot assemble for sm_90 here: {exc}")
+        raise
 
 
 def _resources(compiled) -> dict:
     """Registers and stack bytes (spills) per thread of a compiled kernel, by the ``cuobjdump`` Triton bundles."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
+    if KERNEL_RESOURCES.cuobjdump() is None:
         pytest.skip("this Triton bundles no cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+)\s+STACK:(\d+)", usage)
-    assert found, usage
-    return {"registers": int(found.group(1)), "stack": int(found.group(2))}
+    return KERNEL_RESOURCES.resource_usage(compiled)
 
 
 def _count(ptx: str, instruction: str) -> int:
@@ -178,7 +160,7 @@ def test_linear_tensor_core_gemm_by_tma_keeps_its_accumulators_in_registers(tma)
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.", ptx)) == (2 * cfg.stages if tma else 0)
     if tma:  # (from pointers, Triton 3.9 gives it 255 registers and a 904-byte stack of spills)
         used = _resources(compiled)
-        assert used["stack"] == 0 and used["registers"] < 255, used
+        assert used["stack_bytes"] == 0 and used["registers"] < 255, used
 
 
 @needs_tma
@@ -199,7 +181,7 @@ def test_linear_split_k_gemm_by_tma_takes_fewer_registers(block_m, block_n, act_
         compiled = _compiled(w8_gemm_kernel, pointers, consts, num_warps=4, num_stages=3)
         assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.", compiled.asm["ptx"])) == (3 if tma else 0)
         used[tma] = _resources(compiled)
-    assert used[True]["stack"] == 0 and used[True]["registers"] < used[False]["registers"], used
+    assert used[True]["stack_bytes"] == 0 and used[True]["registers"] < used[False]["registers"], used
 
 
 @pytest.mark.parametrize("aligned", [False, True])
@@ -255,7 +237,7 @@ def test_fp8_expert_w8a8_gemm_by_tma_spills_little(block_m, block_n, warps, a_fp
         compiled = _compiled(moe_w8_gemm_kernel, pointers, consts, num_warps=warps, num_stages=3)
         assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.", compiled.asm["ptx"])) == (6 if tma else 0)
         used[tma] = _resources(compiled)
-    assert used[True]["stack"] <= used[False]["stack"] // 8, used
+    assert used[True]["stack_bytes"] <= used[False]["stack_bytes"] // 8, used
 
 
 @pytest.mark.parametrize("gated", [False, True])
