@@ -243,10 +243,15 @@ W8A8_CONFIGS: tuple[tuple[int | None, int | None, W8Config], ...] = (
     (16, None, W8Config(16, 64, 128, warps=4, stages=3, fill=4, act_quant=True)),
     (None, None, W8Config(64, 128, 128, warps=4, stages=3, fill=4, act_quant=True)),
 )
+# Tensor cores: tiles by TMA (``tma``), timed both ways in one run on an H100 (``fp8_gemm_tma_h100.json``): faster on
+# every shape at 512 and 8192 tokens (V3 gate_up 358 / 5596 us against 419 / 6069, V3 down 192 / 3142 against 235 /
+# 3406, V2-Lite q_proj 14.0 / 159 against 16.9 / 167) and with the first row's tile at 16 tokens (q_proj 10.8 against
+# 18.3 us, V3 down 74 against 179).  The split-K tables keep pointer loads: at 16 tokens W8A8 tied
+# and weight-only went either way (q_proj 8.6 against 8.2 us, V3 down 69.3 against 62.0, V3 gate_up 115.6 / 123.6).
 TC_CONFIGS: tuple[tuple[int | None, int | None, TCConfig], ...] = (
-    (64, None, TCConfig(64, 64, 128, group_m=8, warps=4, stages=4)),
-    (512, None, TCConfig(64, 128, 128, group_m=8, warps=4, stages=4)),
-    (None, None, TCConfig(128, 128, 128, group_m=8, warps=8, stages=3)),
+    (64, None, TCConfig(64, 64, 128, group_m=8, warps=4, stages=4, tma=True)),
+    (512, None, TCConfig(64, 128, 128, group_m=8, warps=4, stages=4, tma=True)),
+    (None, None, TCConfig(128, 128, 128, group_m=8, warps=8, stages=3, tma=True)),
 )
 
 
