@@ -14,6 +14,9 @@ Reported per case:
 Targets (from the project brief): >= 3400 GB/s at H=16 for the three large shapes, >= 2000 GB/s at
 B=1 L=32768, >= 300 TFLOP/s at H=128.
 
+``--tma-ab`` runs the main rows on ``mla_decode_tma``'s kernel (whatever ``MLA_FUSER_DECODE_TMA`` says) and times
+every case again with it off (``mla_decode``'s own kernel and tiles), in the same run.
+
 Also: a correctness check against ``mla_decode_ref`` (fp32) on a ragged batch, ``--num-splits`` to
 force the split count, ``--sweep`` to time a grid of tile configs (BLOCK_H, BLOCK_N, num_warps,
 num_stages) and ``--sweep-splits`` to time split counts, so one GPU call can pick the best config.
@@ -67,6 +70,8 @@ def parse_args(argv=None):
                         "adds narrower and lighter tiles for H <= 16)")
     p.add_argument("--sweep-max-configs", type=int, default=0, help="cap the configs swept per H (0: all)")
     p.add_argument("--sweep-shapes", default=None, help="comma list of BxL to sweep on (default: all shapes)")
+    p.add_argument("--tma-ab", action="store_true",
+                   help="main rows on mla_decode_tma's kernel, each case again with it off (mla_decode's own)")
     p.add_argument("--no-eager", action="store_true", help="skip the do_bench (eager) timing of the main rows")
     p.add_argument("--graph-replays", type=int, default=15, help="CUDA-graph replays per timing")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
@@ -480,6 +485,22 @@ def dump(result, path):
         json.dump(result, f, indent=1)
 
 
+def tma_ab(timer, fns, B, L, H, copy_gbps) -> dict:
+    """The same calls timed with ``mla_decode_tma``'s kernel turned off (``mla_decode``'s own kernel and tiles)."""
+    from mla_fuser.kernels import mla_decode as md, mla_decode_tma
+
+    mla_decode_tma.ENABLED = False
+    try:
+        ms = timer.graph(fns)
+        fns[0]()
+        row = {**metrics(B, L, H, ms, copy_gbps), "config": vars(md.LAST_LAUNCH.get("config")), **kernel_info()}
+    finally:
+        mla_decode_tma.ENABLED = True  # (the main rows' setting: --tma-ab sets it)
+    print(f"    without the TMA kernel: {row['us']:8.1f} us  {row['GBps']:6.0f} GB/s  splits={row.get('num_splits')}",
+          flush=True)
+    return row
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:
@@ -495,8 +516,10 @@ def main(argv=None):
     import torch
     import triton
 
-    from mla_fuser.kernels import mla_decode as md
+    from mla_fuser.kernels import mla_decode as md, mla_decode_tma
 
+    if args.tma_ab:  # (the main rows with the TMA kernel, whatever MLA_FUSER_DECODE_TMA says; tma_ab without it)
+        mla_decode_tma.ENABLED = True
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: use --dry-run on CPU")
@@ -554,6 +577,8 @@ def main(argv=None):
                 case["eager_us"] = timer.eager(fns[0]) * 1e3
             case["config"] = vars(md.LAST_LAUNCH.get("config") or forced or md.default_config(H, dtype))
             case.update(kernel_info())
+            if args.tma_ab:
+                case["without_tma_kernel"] = tma_ab(timer, run(forced), B, L, H, copy_gbps)
             print(
                 f"H={H:4d} B={B:4d} L={L:6d}: {case['us']:8.1f} us  {case['GBps']:6.0f} GB/s "
                 f"({case['ratio_to_copy']:.2f}x copy)  {case['TFLOPs']:6.1f} TFLOP/s  eager {case.get('eager_us', float('nan')):7.1f} us  "

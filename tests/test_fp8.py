@@ -21,6 +21,7 @@ from mla_fuser.kernels.fp8 import (block_fp8_linear_act_quant_ref, block_fp8_lin
                                    explain_block_fp8, quantize_block_fp8)
 from mla_fuser.kernels.dispatch import cdiv
 from mla_fuser.kernels.fp8 import linear as fp8_linear
+from mla_fuser.kernels.tma import HAS_HOST_TENSOR_DESCRIPTORS
 from mla_fuser.kernels.fp8.quant import quantize_token_groups_ref
 from mla_fuser.rewrite import STACKED_ATTR
 
@@ -95,7 +96,7 @@ def test_weight_only_half_precision_split_k_is_deterministic(monkeypatch, dtype,
 
 
 ON_GPU = torch.cuda.is_available()
-needs_tma = pytest.mark.skipif(not fp8_linear.HAS_HOST_TENSOR_DESCRIPTORS,
+needs_tma = pytest.mark.skipif(not HAS_HOST_TENSOR_DESCRIPTORS,
                                reason="this Triton builds no tensor descriptors on the host (3.4 on)")
 DEVICE = "cuda" if ON_GPU else "cpu"
 

@@ -23,7 +23,7 @@ from mla_fuser.kernels import fused_moe as fm
 from mla_fuser.kernels.dispatch import triton_available
 from mla_fuser.kernels.fp8 import dequantize_block_fp8, quantize_block_fp8
 from mla_fuser.kernels.fp8.experts import explain_fp8_experts, quantize_expert_stack
-from mla_fuser.kernels.fp8.linear import HAS_HOST_TENSOR_DESCRIPTORS
+from mla_fuser.kernels.tma import HAS_HOST_TENSOR_DESCRIPTORS
 from mla_fuser.kernels.fused_moe import configs, fp8_launch
 from mla_fuser.kernels.fused_moe.fp8_reference import dequantize_expert
 

@@ -72,7 +72,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import decode_tiles
+from . import decode_tiles, mla_decode_tma
 from .dispatch import (
     MAX_COMBINE, SUM_COMBINE, cdiv, kernel_op, lazy_jit, next_pow2, tl, triton_interpreting, use_triton,
 )
@@ -353,6 +353,8 @@ class MLADecodeConfig:
       dimension is the token tile / v_dim rather than the (small) head tile.
     * ``ctas_per_sm``: how many programs of this config one SM holds at once (registers / shared
       memory); only used by :func:`choose_num_splits` to size the grid, never by the kernel.
+    * ``tma``: run :mod:`mla_decode_tma`'s kernel (tiles by TMA, transposed products; ``swap_ab`` is then implied)
+      where it can run the call (``mla_decode_tma.usable``), this module's otherwise.
     """
 
     block_h: int = 16
@@ -361,6 +363,13 @@ class MLADecodeConfig:
     num_stages: int = 2
     swap_ab: bool = False
     ctas_per_sm: int = 2
+    tma: bool = False
+
+
+# Up to 16 heads where mla_decode_tma's kernel can run and is on (``MLA_FUSER_DECODE_TMA``; its probe on an H100:
+# ``mla_decode_tma_probe_h100.json``; 1 program per SM: 2 stages of 64-token tiles fill its shared memory)
+TMA_CONFIG = MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, swap_ab=True, ctas_per_sm=1, tma=True)
+TMA_MAX_HEADS = 16
 
 
 @functools.lru_cache(maxsize=None)  # (asked on every call; frozen config)
@@ -498,15 +507,18 @@ LAST_LAUNCH: dict = {}
 
 
 @functools.lru_cache(maxsize=4096)  # pure function of ints, a dtype and a frozen config, asked on every eager call
-def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_splits, dev, tiles=None):
+def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_splits, dev, tiles=None, tma=False):
     """What one launch shape needs, computed once: ``(cfg, block_h, block_n, per_row, block_v, block_r, head_tiles,
     num_splits, block_s, block_vc)``; ``cfg`` is ``config``, else the tuned tiles of ``(H, v_dim, rope)`` on this
-    GPU in table ``tiles`` (a path, ``decode_tiles``; None where H does not count heads), else the default for
-    ``(H, dtype)``; ``dev`` the CUDA device index (None off CUDA), whose SM count sizes the split search when
-    ``num_splits`` is None."""
+    GPU in table ``tiles`` (a path, ``decode_tiles``; None where H does not count heads), else ``TMA_CONFIG`` where
+    ``tma`` (the TMA kernel can run the call) and ``H <= TMA_MAX_HEADS``, else the default for ``(H, dtype)``;
+    ``dev`` the CUDA device index (None off CUDA), whose SM count sizes the split search when ``num_splits`` is
+    None."""
     tuned = None
     if config is None and tiles is not None:
         tuned = decode_tiles.tuned_tiles(H, v_dim, rope, dtype, dev, tiles)
+    if config is None and not tuned and tma and H <= TMA_MAX_HEADS:
+        config = TMA_CONFIG
     cfg = config or (MLADecodeConfig(**tuned) if tuned else default_config(H, dtype))
     block_h = min(max(16, next_pow2(cfg.block_h)), max(16, next_pow2(H)))
     block_n, per_row = _tile_n(cfg.block_n, page_size)
@@ -522,10 +534,11 @@ def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_spl
     return cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc
 
 
-def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: int = 0, rows=None):
+def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: int = 0, rows=None, tma=False):
     """:func:`_launch_plan` for the absorbed query ``q [B, H, D]`` (every latent decode launcher plans here), or its
     latent part when the rope part (``rope_apart`` wide) is a tensor of its own; ``rows``: ``(programs along B, rows
-    per program)`` when they are not ``(B, H)`` (``mla_decode_split``'s grouped tokens)."""
+    per program)`` when they are not ``(B, H)`` (``mla_decode_split``'s grouped tokens); ``tma``: the TMA kernel can
+    run the call (``mla_decode_tma.usable``)."""
     dev = None  # the device whose tuned tiles apply and whose SM count sizes the split search
     if q.is_cuda:
         dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -533,7 +546,7 @@ def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: 
     B, H = (B, H) if rows is None else rows
     tiles = decode_tiles.table_path() if dev is not None and rows is None and config is None else None
     return _launch_plan(B, H, v_dim, D + rope_apart - v_dim, page_size, max_pages, q.dtype, config, num_splits, dev,
-                        tiles)
+                        tiles, tma)
 
 
 def _check_inputs(q, kv_pages, block_table, seq_lens, v_dim, q_rope=None):
@@ -597,26 +610,32 @@ def mla_decode_triton(
         return out
     max_pages = block_table.shape[1]
 
+    tma = config is None and H <= TMA_MAX_HEADS and mla_decode_tma.usable(
+        q, kv_pages, v_dim, rope, page_size % TMA_CONFIG.block_n != 0)
     cfg, block_h, block_n, per_row, block_v, block_r, head_tiles, num_splits, block_s, block_vc = launch_plan(
-        q, v_dim, page_size, max_pages, config, num_splits, D - q.shape[-1])
+        q, v_dim, page_size, max_pages, config, num_splits, D - q.shape[-1], tma=tma)
     direct = num_splits == 1
     o_part, lse, sp, sl = split_partials(out, num_splits, v_dim)
     dot_precision, dot_upcast = dot_mode(q.dtype)
-    grid = (head_tiles, num_splits, B)
-    q_st, qr_st, kv_st, out_st = q.stride(), q_rope.stride(), kv_pages.stride(), out.stride()  # (one call each)
-    k1 = _mla_decode_stage1[grid](
-        q, q_rope, kv_pages, block_table, seq_lens,
-        starts if starts is not None else seq_lens,  # unused pointer without starts
-        o_part, lse, out,
-        float(scale) * _LOG2E, H, v_dim, rope, num_splits,
-        q_st[0], q_st[1], qr_st[0], qr_st[1], kv_st[0], kv_st[1], block_table.stride(0),
-        *sp, *sl, out_st[0], out_st[1],
-        PAGE_SIZE=page_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_R=block_r, HAS_ROPE=rope > 0,
-        EVEN_V=block_v == v_dim, EVEN_R=block_r == rope, PER_ROW_PAGES=per_row, DIRECT_OUT=direct,
-        DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast, SWAP_AB=bool(cfg.swap_ab), HAS_STARTS=starts is not None,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )  # fmt: skip
+    if cfg.tma and tma:
+        k1 = mla_decode_tma.launch_stage1(
+            q, q_rope, kv_pages, block_table, seq_lens, starts, o_part, lse, out, float(scale) * _LOG2E, H, v_dim,
+            rope, num_splits, sp, sl, page_size, block_h, block_n, head_tiles, cfg, dot_precision, dot_upcast)
+    else:
+        grid = (head_tiles, num_splits, B)
+        q_st, qr_st, kv_st, out_st = q.stride(), q_rope.stride(), kv_pages.stride(), out.stride()  # (one call each)
+        k1 = _mla_decode_stage1[grid](
+            q, q_rope, kv_pages, block_table, seq_lens,
+            starts if starts is not None else seq_lens,  # unused pointer without starts
+            o_part, lse, out,
+            float(scale) * _LOG2E, H, v_dim, rope, num_splits,
+            q_st[0], q_st[1], qr_st[0], qr_st[1], kv_st[0], kv_st[1], block_table.stride(0),
+            *sp, *sl, out_st[0], out_st[1],
+            PAGE_SIZE=page_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_R=block_r,
+            HAS_ROPE=rope > 0, EVEN_V=block_v == v_dim, EVEN_R=block_r == rope, PER_ROW_PAGES=per_row,
+            DIRECT_OUT=direct, DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast, SWAP_AB=bool(cfg.swap_ab),
+            HAS_STARTS=starts is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
     LAST_LAUNCH.clear()
     LAST_LAUNCH.update(stage1=k1, config=cfg, num_splits=num_splits, block_h=block_h, block_n=block_n,
                        per_row_pages=per_row)

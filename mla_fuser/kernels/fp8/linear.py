@@ -45,12 +45,8 @@ from ..dispatch import cdiv, kernel_op, next_pow2, pow2_divisor, triton_interpre
 from .format import FP8_DTYPE, FP8_MAX
 from .quant import dequantize_block_fp8, dequantize_token_groups, quantize_token_groups_ref
 from .triton_kernels import act_quant_kernel, fp8_gemm_kernel, splitk_reduce_kernel, w8_gemm_kernel, w8_gemv_kernel
+from ..tma import tma_operand, tma_ready
 
-try:  # (Triton 3.4+: tensor descriptors built on the host, for tiles fed by the Tensor Memory Accelerator)
-    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
-except Exception:  # noqa: BLE001 - no Triton, or an older one: pointer loads only
-    _TensorDescriptor = None
-HAS_HOST_TENSOR_DESCRIPTORS = _TensorDescriptor is not None
 
 # tokens from which the FP8 tensor-core path runs (benchmarks/bench_fp8_gemm.py measures both paths at every size)
 FP8_TENSOR_CORE_MIN_TOKENS = 128
@@ -118,30 +114,6 @@ def _has_fp8_mma(device_index: int) -> bool:
 
 def _cuda_index(x: torch.Tensor) -> int:
     return x.device.index if x.device.index is not None else torch.cuda.current_device()
-
-
-@functools.lru_cache(maxsize=8)
-def _has_tma(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
-def tma_ready(x: torch.Tensor, *operands: torch.Tensor) -> bool:
-    """A kernel can take ``operands``' tiles by TMA: this Triton builds tensor descriptors on the host, ``x``'s GPU
-    has a Tensor Memory Accelerator (compute capability >= 9.0; the interpreter stands in), and each operand is
-    contiguous in its last dimension with its base and every other stride on 16 bytes (what a descriptor can
-    describe)."""
-    if _TensorDescriptor is None:
-        return False
-    if not (_has_tma(_cuda_index(x)) if x.is_cuda else triton_interpreting()):
-        return False
-    return all(t.dim() >= 2 and t.stride(-1) == 1 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
-               and t.data_ptr() % 16 == 0 for t in operands)
-
-
-def tma_operand(t: torch.Tensor, box: list[int], by_tma: bool):
-    """What a kernel taking ``t`` gets: with ``by_tma`` (after :func:`tma_ready` said yes), a host tensor descriptor
-    of ``t`` read in ``box``-shaped tiles; else ``t`` itself."""
-    return _TensorDescriptor.from_tensor(t, box) if by_tma else t
 
 
 def has_fp8_tensor_cores(x: torch.Tensor) -> bool:
