@@ -294,7 +294,11 @@ def test_steps_launched_ahead_give_the_same_tokens_and_leave_the_cache_as_withou
                 assert plan.steps_ahead == ((NEW_TOKENS - 1 - 2 * first) if on else 0)
                 first = False
     for key in ((n, c) for n in ("greedy", "sample") for c in range(2)):
-        assert torch.equal(runs[(True, *key)], runs[(False, *key)]), key
+        a, b = runs[(True, *key)], runs[(False, *key)]
+        # (where they part, for the record: a first difference at the first new token points at the prefill, later
+        # ones at the steps; this test failed twice in ~10 runs on ('sample', 0) and never again on rerun)
+        differ = (a != b).nonzero().tolist() if a.shape == b.shape else "shapes differ"
+        assert torch.equal(a, b), (key, differ[:8] if isinstance(differ, list) else differ, ids.shape[1])
     one = ids[:1]
     eos = int(runs[False, "greedy", 0][0, ids.shape[1] + 5])
     ended = {}

@@ -138,6 +138,41 @@ def test_the_setting_turns_it_on_and_off(interp, monkeypatch):
     assert md.LAST_LAUNCH["config"].tma
 
 
+def test_pool_descriptors_are_built_once_per_pool_and_go_with_it(interp):
+    """The descriptors a pool's calls share: built on the first call, the same objects on the next, rebuilt for other
+    boxes or when the pool moves in place, and the entry dropped when the caller lets the pool go (the descriptors
+    hold an alias of its storage, not a view that would keep the pool alive)."""
+    import gc
+
+    kv = torch.zeros(3, 64, 576, dtype=torch.bfloat16)
+    first = mla_decode_tma.pool_descriptors(kv, 64, 256, 64)
+    again = mla_decode_tma.pool_descriptors(kv, 64, 256, 64)
+    assert again[0] is first[0] and again[1] is first[1]
+    assert first[0].base.data_ptr() == kv.data_ptr() and first[0].base._base is None
+    assert list(first[0].shape) == [3 * 64, 576] and list(first[1].block_shape) == [64, 64]
+    assert mla_decode_tma.pool_descriptors(kv, 32, 256, 64)[0] is not first[0]  # other boxes
+    kv.set_(torch.zeros(4, 64, 576, dtype=torch.bfloat16).untyped_storage(), 0, (4, 64, 576))  # moved in place
+    moved = mla_decode_tma.pool_descriptors(kv, 32, 256, 64)
+    assert list(moved[0].shape) == [4 * 64, 576] and moved[0].base.data_ptr() == kv.data_ptr()
+    key = id(kv)
+    assert key in mla_decode_tma._POOL_DESCRIPTORS
+    del kv, first, again, moved
+    gc.collect()
+    assert key not in mla_decode_tma._POOL_DESCRIPTORS
+
+
+def test_a_pool_read_twice_gives_the_same_output_from_its_kept_descriptors(interp, monkeypatch):
+    """Two calls over one pool (the second on the kept descriptors), after the pool's rows changed in place: the
+    second call reads the new rows."""
+    q, kv, bt, sl = make_case([70, 9], 16, 512, 64, 64, torch.bfloat16, seed=11)
+    md.mla_decode(q, kv, bt, sl, 0.05, 512)
+    assert md.LAST_LAUNCH["config"].tma
+    kv.mul_(0.5)
+    out, plain = _both_kernels(monkeypatch, q, kv, bt, sl, 0.05, 512)
+    _check(out, _ref32(q, kv, bt, sl, 0.05, 512), torch.bfloat16)
+    torch.testing.assert_close(out.float(), plain.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="the compiled kernel needs a Hopper GPU (TMA)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -31,9 +31,13 @@ two up to 256, tiles inside pages.  Everything else runs ``mla_decode``'s kernel
 
 from __future__ import annotations
 
+import weakref
+
+import torch
+
 from .. import envs
 from .dispatch import MAX_COMBINE, SUM_COMBINE, lazy_jit, tl
-from .tma import MAX_BOX, tma_operand, tma_ready
+from .tma import MAX_BOX, has_tma, tma_operand
 
 __all__ = ["ENABLED", "launch_stage1", "usable"]
 
@@ -54,7 +58,40 @@ def usable(q, kv_pages, v_dim: int, rope: int, per_row_pages: bool) -> bool:
         return False
     if not kv_pages.is_contiguous():
         return False
-    return tma_ready(q, kv_pages.view(-1, kv_pages.shape[-1]))
+    # (the pool's rows, as a descriptor sees them: contiguous, so 16-byte rows and base are all tma_ready asks)
+    return has_tma(q) and kv_pages.shape[-1] * KERNEL_DTYPES_BYTES % 16 == 0 and kv_pages.data_ptr() % 16 == 0
+
+
+# id(pool) -> (a weak reference to the pool, what the descriptors were built for, value descriptor, rope descriptor)
+_POOL_DESCRIPTORS: dict[int, tuple] = {}
+
+
+def pool_descriptors(kv_pages: torch.Tensor, block_n: int, chunk: int, rope: int):
+    """The descriptors of ``kv_pages``' rows in ``[block_n, chunk]`` and ``[block_n, rope]`` boxes, built once per
+    pool.  Why: building them costs ~5 us of host time per call (two descriptors and a view), a third of an eager
+    ``mla_decode`` call's wrapper, and a cache layer passes the same pool on every step.
+
+    Each entry is rebuilt when the pool's address, shape or the boxes differ, and is dropped with the pool: the
+    descriptors are built over an alias of the pool's storage (``set_``, not a view: a view would keep the pool's
+    Python object alive through its base, and with it this entry), so the weak reference's callback runs when the
+    caller lets the pool go, and the alias, the last holder of the storage here, goes with the entry."""
+    key = id(kv_pages)
+    signature = (kv_pages.data_ptr(), kv_pages.shape, block_n, chunk, rope)
+    entry = _POOL_DESCRIPTORS.get(key)
+    if entry is not None and entry[0]() is kv_pages and entry[1] == signature:
+        return entry[2], entry[3]
+    width = kv_pages.shape[-1]
+    rows = torch.empty(0, dtype=kv_pages.dtype, device=kv_pages.device).set_(
+        kv_pages.untyped_storage(), kv_pages.storage_offset(), (kv_pages.numel() // width, width), (width, 1))
+    kv_c = tma_operand(rows, [block_n, chunk], True)
+    kv_r = tma_operand(rows, [block_n, rope], True) if rope else kv_c
+
+    def forget(ref, key=key):
+        if _POOL_DESCRIPTORS.get(key, (None,))[0] is ref:
+            del _POOL_DESCRIPTORS[key]
+
+    _POOL_DESCRIPTORS[key] = (weakref.ref(kv_pages, forget), signature, kv_c, kv_r)
+    return kv_c, kv_r
 
 
 @lazy_jit(do_not_specialize=("NUM_SPLITS", "stride_btb", "stride_lb", "stride_lh"))
@@ -218,10 +255,8 @@ def _mla_decode_tma_stage1(
 def launch_stage1(q, q_rope, kv_pages, block_table, seq_lens, starts, o_part, lse, out, qk_scale, H, v_dim, rope,
                   num_splits, sp, sl, page_size, block_h, block_n, head_tiles, cfg, dot_precision, dot_upcast):
     """Stage 1 on this kernel (after :func:`usable`); the arguments as ``mla_decode_triton`` has them."""
-    rows = kv_pages.view(-1, kv_pages.shape[-1])
     chunk = min(v_dim, MAX_BOX)
-    kv_c = tma_operand(rows, [block_n, chunk], True)
-    kv_r = tma_operand(rows, [block_n, rope], True) if rope else kv_c
+    kv_c, kv_r = pool_descriptors(kv_pages, block_n, chunk, rope)
     q_st, qr_st, out_st = q.stride(), q_rope.stride(), out.stride()
     return _mla_decode_tma_stage1[(head_tiles, num_splits, q.shape[0])](
         q, q_rope, kv_c, kv_r, block_table, seq_lens, starts if starts is not None else seq_lens,
