@@ -14,8 +14,9 @@ Reported per case:
 Targets (from the project brief): >= 3400 GB/s at H=16 for the three large shapes, >= 2000 GB/s at
 B=1 L=32768, >= 300 TFLOP/s at H=128.
 
-``--tma-ab`` runs the main rows on ``mla_decode_tma``'s kernel (whatever ``MLA_FUSER_DECODE_TMA`` says) and times
-every case again with it off (``mla_decode``'s own kernel and tiles), in the same run.
+``--tma-ab`` runs the main rows on ``mla_decode_tma``'s kernel (off otherwise: its docstring says why) and times
+every case again with it off (``mla_decode``'s own kernel and tiles), in the same run; the correctness check runs on it
+too and says FAIL where it is wrong.
 
 Also: a correctness check against ``mla_decode_ref`` (fp32) on a ragged batch, ``--num-splits`` to
 force the split count, ``--sweep`` to time a grid of tile configs (BLOCK_H, BLOCK_N, num_warps,
@@ -518,7 +519,7 @@ def main(argv=None):
 
     from mla_fuser.kernels import mla_decode as md, mla_decode_tma
 
-    if args.tma_ab:  # (the main rows with the TMA kernel, whatever MLA_FUSER_DECODE_TMA says; tma_ab without it)
+    if args.tma_ab:  # (the main rows and the check with the TMA kernel; tma_ab without it)
         mla_decode_tma.ENABLED = True
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():

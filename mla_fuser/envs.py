@@ -77,10 +77,6 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "`0` computes a fused MoE router's logits with torch (fp32 copies of the hidden states and the gate, "
              "cuBLAS) at every size, instead of in one launch of a logits kernel (decode steps' few rows, "
              "continuous-batching and prefill steps' hundreds of 16-bit rows)"),
-    Variable("MLA_FUSER_DECODE_TMA", "switch", False,
-             "`1` (experimental: its probe was timed on an H100, the kernel itself not yet run compiled on a GPU; "
-             "`kernels/mla_decode_tma.py`) runs the paged MLA decode of up to 16 heads on GPUs with TMA with the "
-             "latent tiles loaded by TMA and transposed products; off keeps `mla_decode`'s own kernel"),
     Variable("MLA_FUSER_SKINNY_LINEAR", "switch", False,
              "`1` (experimental; on an H100 no faster over a whole decode step, `kernels/skinny_linear.py`) runs "
              "the dense linears of captured (CUDA-graph) decode steps (the stacked q + kv and gate + up projections, "
@@ -198,10 +194,6 @@ def fp8_act_quant() -> bool:
 
 def splitk_fixup() -> bool:
     return bool(get("MLA_FUSER_SPLITK_FIXUP"))
-
-
-def decode_tma() -> bool:
-    return bool(get("MLA_FUSER_DECODE_TMA"))
 
 
 def skinny_linear() -> bool:

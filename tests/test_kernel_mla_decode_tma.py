@@ -9,6 +9,8 @@ zeroed value rows).  bf16 dots are upcast under the interpreter (see that file's
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,13 +20,15 @@ from mla_fuser.kernels.tma import HAS_HOST_TENSOR_DESCRIPTORS
 
 from test_kernel_mla_decode import _check, _ref32, _with_starts_naive, make_case
 
+DEFAULT_ENABLED = mla_decode_tma.ENABLED  # (read when this file is imported, before any test turns it on)
+
 pytestmark = pytest.mark.skipif(not HAS_HOST_TENSOR_DESCRIPTORS,
                                 reason="this Triton has no host tensor descriptors (3.4 on)")
 
 
 @pytest.fixture(autouse=True)
 def tma_on(monkeypatch):
-    """The kernel is opt-in (``MLA_FUSER_DECODE_TMA``): on for these tests."""
+    """The kernel is off (``mla_decode_tma.ENABLED``): on for these tests."""
     monkeypatch.setattr(mla_decode_tma, "ENABLED", True)
 
 
@@ -126,14 +130,18 @@ def test_usable_under_the_interpreter(interp):
     assert mla_decode_tma.usable(q[..., :512], torch.zeros(2, 64, 512, dtype=torch.bfloat16), 512, 0, False)
 
 
-def test_the_setting_turns_it_on_and_off(interp, monkeypatch):
-    """``MLA_FUSER_DECODE_TMA`` decides when no process choice is made (off by default)."""
-    monkeypatch.setattr(mla_decode_tma, "ENABLED", None)
+def test_it_is_off_unless_the_process_turns_it_on(interp, monkeypatch):
+    """No setting turns the kernel on (compiled on a GPU it was wrong: the module docstring): ``mla_decode`` runs its
+    own kernel by default, the TMA one only where the process sets ``ENABLED``."""
+    from mla_fuser import envs
+
+    assert not any("TMA" in name for name in envs.VARIABLES)
+    assert DEFAULT_ENABLED is False
+    monkeypatch.setattr(mla_decode_tma, "ENABLED", DEFAULT_ENABLED)
     q, kv, bt, sl = make_case([70], 16, 512, 64, 64, torch.bfloat16, seed=9)
-    monkeypatch.delenv("MLA_FUSER_DECODE_TMA", raising=False)
     md.mla_decode(q, kv, bt, sl, 0.05, 512)
     assert not md.LAST_LAUNCH["config"].tma
-    monkeypatch.setenv("MLA_FUSER_DECODE_TMA", "1")
+    monkeypatch.setattr(mla_decode_tma, "ENABLED", True)
     md.mla_decode(q, kv, bt, sl, 0.05, 512)
     assert md.LAST_LAUNCH["config"].tma
 
@@ -175,6 +183,10 @@ def test_a_pool_read_twice_gives_the_same_output_from_its_kept_descriptors(inter
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="the compiled kernel needs a Hopper GPU (TMA)")
+@pytest.mark.skipif(not os.environ.get("MLA_FUSER_TEST_DECODE_TMA_GPU"),
+                    reason="the compiled kernel is known wrong (mla_decode_tma's docstring) and its illegal memory "
+                           "access would poison the CUDA context of the GPU tests after it: run it alone with "
+                           "MLA_FUSER_TEST_DECODE_TMA_GPU=1")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
 def test_cuda_compiled_tma_kernel_over_ragged_pages_and_left_padding(monkeypatch, dtype, num_splits):

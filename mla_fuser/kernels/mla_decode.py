@@ -366,7 +366,7 @@ class MLADecodeConfig:
     tma: bool = False
 
 
-# Up to 16 heads where mla_decode_tma's kernel can run and is on (``MLA_FUSER_DECODE_TMA``; its probe on an H100:
+# Up to 16 heads where mla_decode_tma's kernel can run and is on (``mla_decode_tma.ENABLED``; its probe on an H100:
 # ``mla_decode_tma_probe_h100.json``; 1 program per SM: 2 stages of 64-token tiles fill its shared memory)
 TMA_CONFIG = MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, swap_ab=True, ctas_per_sm=1, tma=True)
 TMA_MAX_HEADS = 16
@@ -515,10 +515,10 @@ def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_spl
     ``dev`` the CUDA device index (None off CUDA), whose SM count sizes the split search when ``num_splits`` is
     None."""
     tuned = None
+    if config is None and tma and H <= TMA_MAX_HEADS:  # (before the tuned tiles, which are the pointer kernel's)
+        config = TMA_CONFIG
     if config is None and tiles is not None:
         tuned = decode_tiles.tuned_tiles(H, v_dim, rope, dtype, dev, tiles)
-    if config is None and not tuned and tma and H <= TMA_MAX_HEADS:
-        config = TMA_CONFIG
     cfg = config or (MLADecodeConfig(**tuned) if tuned else default_config(H, dtype))
     block_h = min(max(16, next_pow2(cfg.block_h)), max(16, next_pow2(H)))
     block_n, per_row = _tile_n(cfg.block_n, page_size)

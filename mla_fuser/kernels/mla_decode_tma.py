@@ -22,11 +22,14 @@ against 70.5 us, 64x8k 218.9 against 225.3, 16x1k 14.1 against 15.6, 1x16k 11.8 
 25.3.  At 64 and 128 heads (64-head tiles) TMA was within 3% either way and the transposed form 13-24% slower, so
 there ``mla_decode``'s kernel stays.  What this kernel itself gains is for ``bench_mla_decode_kernel.py --tma-ab``.
 
-Off unless ``MLA_FUSER_DECODE_TMA=1``: the probe ran on a GPU, this kernel (its masked tiles, the partial-tile block)
-only under the interpreter and through the sm_90 compiler so far.  Then taken where :func:`usable` says so
-(``mla_decode.mla_decode_triton``): a GPU with TMA (or the interpreter), a 16-bit
-contiguous pool with 16-byte rows, a value width of 256 or 512 (one or two chunks), a rope part of 0 or a power of
-two up to 256, tiles inside pages.  Everything else runs ``mla_decode``'s kernel.
+**Off, and no setting turns it on** (``ENABLED``: tests and ``bench_mla_decode_kernel.py --tma-ab`` set it for
+their process).  Compiled on an H100 (Triton 3.6, 2026-12-07) it gave wrong outputs on a ragged batch (lengths 0 to
+3000 with NaN past each end: 7.5% of the elements off by up to 0.12 against the fp32 reference, where the interpreter
+and the pointer kernel agree with it) and, in a later call, an illegal memory access; the probe's full-tile kernel was
+right on the same GPU.  ``tests/test_kernel_mla_decode_tma.py``'s compiled test (``MLA_FUSER_TEST_DECODE_TMA_GPU=1``)
+reproduces it.  Where it is on, :func:`usable` says which calls it takes: a GPU with TMA (or the interpreter), a
+16-bit contiguous pool with 16-byte rows, a value width of 256 or 512 (one or two chunks), a rope part of 0 or a
+power of two up to 256, tiles inside pages.  Everything else runs ``mla_decode``'s kernel.
 """
 
 from __future__ import annotations
@@ -35,22 +38,20 @@ import weakref
 
 import torch
 
-from .. import envs
 from .dispatch import MAX_COMBINE, SUM_COMBINE, lazy_jit, tl
 from .tma import MAX_BOX, has_tma, tma_operand
 
 __all__ = ["ENABLED", "launch_stage1", "usable"]
 
-# None: ``MLA_FUSER_DECODE_TMA`` decides (read per call); True / False: this process's choice (benchmarks flip it for
-# a same-process A/B against mla_decode's own kernel, tests to run either)
-ENABLED: bool | None = None
+# this process's choice, off: wrong when compiled (see above); tests and a benchmark's A/B set it to run the kernel
+ENABLED = False
 
 KERNEL_DTYPES_BYTES = 2  # bf16 / fp16 pools only (fp32 inputs keep mla_decode's fp32 tiles)
 
 
 def usable(q, kv_pages, v_dim: int, rope: int, per_row_pages: bool) -> bool:
     """Whether this kernel is on and can run the call: see the module docstring."""
-    if not (envs.decode_tma() if ENABLED is None else ENABLED):
+    if not ENABLED:
         return False
     if per_row_pages or kv_pages.element_size() != KERNEL_DTYPES_BYTES or q.dtype != kv_pages.dtype:
         return False
