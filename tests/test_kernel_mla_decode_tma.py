@@ -126,6 +126,7 @@ def test_usable_under_the_interpreter(interp):
     assert not mla_decode_tma.usable(q, kv, 512, 64, True)  # rows that look their pages up one by one
     assert not mla_decode_tma.usable(q.float(), kv.float(), 512, 64, False)
     assert not mla_decode_tma.usable(q, kv, 448, 128, False)
+    assert not mla_decode_tma.usable(q[..., :520], kv[..., :520].contiguous(), 512, 8, False)  # rope under 16
     assert not mla_decode_tma.usable(q, kv[..., :512], 512, 0, False)  # a pool whose rows are not contiguous
     assert mla_decode_tma.usable(q[..., :512], torch.zeros(2, 64, 512, dtype=torch.bfloat16), 512, 0, False)
 

@@ -23,13 +23,15 @@ against 70.5 us, 64x8k 218.9 against 225.3, 16x1k 14.1 against 15.6, 1x16k 11.8 
 there ``mla_decode``'s kernel stays.  What this kernel itself gains is for ``bench_mla_decode_kernel.py --tma-ab``.
 
 **Off, and no setting turns it on** (``ENABLED``: tests and ``bench_mla_decode_kernel.py --tma-ab`` set it for
-their process).  Compiled on an H100 (Triton 3.6, 2026-12-07) it gave wrong outputs on a ragged batch (lengths 0 to
-3000 with NaN past each end: 7.5% of the elements off by up to 0.12 against the fp32 reference, where the interpreter
-and the pointer kernel agree with it) and, in a later call, an illegal memory access; the probe's full-tile kernel was
-right on the same GPU.  ``tests/test_kernel_mla_decode_tma.py``'s compiled test (``MLA_FUSER_TEST_DECODE_TMA_GPU=1``)
-reproduces it.  Where it is on, :func:`usable` says which calls it takes: a GPU with TMA (or the interpreter), a
-16-bit contiguous pool with 16-byte rows, a value width of 256 or 512 (one or two chunks), a rope part of 0 or a
-power of two up to 256, tiles inside pages.  Everything else runs ``mla_decode``'s kernel.
+their process).  Compiled on an H100 (Triton 3.6, 2026-12-07; ``mla_decode_tma_cases_h100.jsonl``, one case a
+process) its full tiles are right (0 to 1e-3 from the pointer kernel: 1, 3 and 24 splits, 512 + 64, 256 + 32, NoPE,
+5 heads) and its partial-tile block is wrong: a 150-token sequence comes out NaN when the rows past its end hold
+NaN and off by 0.1 when they hold zeros, and a 65-token sequence, or left padding, stops the process with an illegal
+memory access.  The interpreter runs the same cases right.  ``tests/test_kernel_mla_decode_tma.py``'s compiled test
+(``MLA_FUSER_TEST_DECODE_TMA_GPU=1``) reproduces it.  Where it is on, :func:`usable` says which calls it takes: a
+GPU with TMA (or the interpreter), a 16-bit contiguous pool with 16-byte rows, a value width of 256 or 512 (one or two
+chunks), a rope part of 0 or a power of two from 16 to 256, tiles inside pages.  Everything else runs
+``mla_decode``'s kernel.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def usable(q, kv_pages, v_dim: int, rope: int, per_row_pages: bool) -> bool:
         return False
     if per_row_pages or kv_pages.element_size() != KERNEL_DTYPES_BYTES or q.dtype != kv_pages.dtype:
         return False
-    if v_dim not in (MAX_BOX, 2 * MAX_BOX) or not (rope == 0 or (rope & (rope - 1) == 0 and rope <= MAX_BOX)):
+    # (a rope part under 16 columns is too narrow for the score product's K side)
+    if v_dim not in (MAX_BOX, 2 * MAX_BOX) or not (rope == 0 or (rope & (rope - 1) == 0 and 16 <= rope <= MAX_BOX)):
         return False
     if not kv_pages.is_contiguous():
         return False
