@@ -82,6 +82,11 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return on_cuda and triton_available()
 
 
+def cuda_index(x: torch.Tensor) -> int:
+    """The CUDA device index of ``x`` (a tensor on CUDA), the current device for an unnumbered ``cuda``."""
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= ``n`` (1 for ``n <= 1``): ``tl.arange`` tiles must be powers of two."""
     return 1 << max(0, int(n) - 1).bit_length()

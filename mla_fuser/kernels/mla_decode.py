@@ -74,7 +74,7 @@ import torch
 
 from . import decode_tiles, mla_decode_tma
 from .dispatch import (
-    MAX_COMBINE, SUM_COMBINE, cdiv, kernel_op, lazy_jit, next_pow2, tl, triton_interpreting, use_triton,
+    MAX_COMBINE, SUM_COMBINE, cdiv, cuda_index, kernel_op, lazy_jit, next_pow2, tl, triton_interpreting, use_triton,
 )
 from .paged_cpu import mla_decode_cpu
 
@@ -509,13 +509,13 @@ LAST_LAUNCH: dict = {}
 @functools.lru_cache(maxsize=4096)  # pure function of ints, a dtype and a frozen config, asked on every eager call
 def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_splits, dev, tiles=None, tma=False):
     """What one launch shape needs, computed once: ``(cfg, block_h, block_n, per_row, block_v, block_r, head_tiles,
-    num_splits, block_s, block_vc)``; ``cfg`` is ``config``, else the tuned tiles of ``(H, v_dim, rope)`` on this
-    GPU in table ``tiles`` (a path, ``decode_tiles``; None where H does not count heads), else ``TMA_CONFIG`` where
-    ``tma`` (the TMA kernel can run the call) and ``H <= TMA_MAX_HEADS``, else the default for ``(H, dtype)``;
+    num_splits, block_s, block_vc)``; ``cfg`` is ``config``, else ``TMA_CONFIG`` where ``tma`` (the caller runs the
+    TMA kernel: ``mla_decode_triton`` decides), else the tuned tiles of ``(H, v_dim, rope)`` on this GPU in table
+    ``tiles`` (a path, ``decode_tiles``; None where H does not count heads), else the default for ``(H, dtype)``;
     ``dev`` the CUDA device index (None off CUDA), whose SM count sizes the split search when ``num_splits`` is
     None."""
     tuned = None
-    if config is None and tma and H <= TMA_MAX_HEADS:  # (before the tuned tiles, which are the pointer kernel's)
+    if tma:  # (before the tuned tiles, which are the pointer kernel's)
         config = TMA_CONFIG
     if config is None and tiles is not None:
         tuned = decode_tiles.tuned_tiles(H, v_dim, rope, dtype, dev, tiles)
@@ -537,11 +537,9 @@ def _launch_plan(B, H, v_dim, rope, page_size, max_pages, dtype, config, num_spl
 def launch_plan(q, v_dim, page_size, max_pages, config, num_splits, rope_apart: int = 0, rows=None, tma=False):
     """:func:`_launch_plan` for the absorbed query ``q [B, H, D]`` (every latent decode launcher plans here), or its
     latent part when the rope part (``rope_apart`` wide) is a tensor of its own; ``rows``: ``(programs along B, rows
-    per program)`` when they are not ``(B, H)`` (``mla_decode_split``'s grouped tokens); ``tma``: the TMA kernel can
-    run the call (``mla_decode_tma.usable``)."""
-    dev = None  # the device whose tuned tiles apply and whose SM count sizes the split search
-    if q.is_cuda:
-        dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    per program)`` when they are not ``(B, H)`` (``mla_decode_split``'s grouped tokens); ``tma``: the caller runs the
+    TMA kernel (no ``config`` given, up to ``TMA_MAX_HEADS`` heads, ``mla_decode_tma.usable``)."""
+    dev = cuda_index(q) if q.is_cuda else None  # the device whose tuned tiles apply and whose SMs size the splits
     B, H, D = q.shape
     B, H = (B, H) if rows is None else rows
     tiles = decode_tiles.table_path() if dev is not None and rows is None and config is None else None
@@ -617,7 +615,7 @@ def mla_decode_triton(
     direct = num_splits == 1
     o_part, lse, sp, sl = split_partials(out, num_splits, v_dim)
     dot_precision, dot_upcast = dot_mode(q.dtype)
-    if cfg.tma and tma:
+    if tma:
         k1 = mla_decode_tma.launch_stage1(
             q, q_rope, kv_pages, block_table, seq_lens, starts, o_part, lse, out, float(scale) * _LOG2E, H, v_dim,
             rope, num_splits, sp, sl, page_size, block_h, block_n, head_tiles, cfg, dot_precision, dot_upcast)

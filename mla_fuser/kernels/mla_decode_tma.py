@@ -41,7 +41,7 @@ import weakref
 import torch
 
 from .dispatch import MAX_COMBINE, SUM_COMBINE, lazy_jit, tl
-from .tma import MAX_BOX, has_tma, tma_operand
+from .tma import MAX_BOX, tma_operand, tma_ready
 
 __all__ = ["ENABLED", "launch_stage1", "usable"]
 
@@ -60,10 +60,8 @@ def usable(q, kv_pages, v_dim: int, rope: int, per_row_pages: bool) -> bool:
     # (a rope part under 16 columns is too narrow for the score product's K side)
     if v_dim not in (MAX_BOX, 2 * MAX_BOX) or not (rope == 0 or (rope & (rope - 1) == 0 and 16 <= rope <= MAX_BOX)):
         return False
-    if not kv_pages.is_contiguous():
-        return False
-    # (the pool's rows, as a descriptor sees them: contiguous, so 16-byte rows and base are all tma_ready asks)
-    return has_tma(q) and kv_pages.shape[-1] * KERNEL_DTYPES_BYTES % 16 == 0 and kv_pages.data_ptr() % 16 == 0
+    # (a contiguous pool's strides are multiples of its row's: tma_ready of the pool is that of its rows)
+    return kv_pages.is_contiguous() and tma_ready(q, kv_pages)
 
 
 # id(pool) -> (a weak reference to the pool, what the descriptors were built for, value descriptor, rope descriptor)

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from .dispatch import triton_interpreting
+from .dispatch import cuda_index, triton_interpreting
 
 try:  # (Triton 3.4+: tensor descriptors built on the host)
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
@@ -28,10 +28,6 @@ __all__ = ["HAS_HOST_TENSOR_DESCRIPTORS", "MAX_BOX", "has_tma", "tma_operand", "
 
 HAS_HOST_TENSOR_DESCRIPTORS = _TensorDescriptor is not None
 MAX_BOX = 256  # elements per box dimension, at most
-
-
-def cuda_index(x: torch.Tensor) -> int:
-    return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=8)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import envs
-from ..dispatch import cdiv, kernel_op, next_pow2, pow2_divisor, triton_interpreting, use_triton
+from ..dispatch import cdiv, cuda_index, kernel_op, next_pow2, pow2_divisor, triton_interpreting, use_triton
 from .format import FP8_DTYPE, FP8_MAX
 from .quant import dequantize_block_fp8, dequantize_token_groups, quantize_token_groups_ref
 from .triton_kernels import act_quant_kernel, fp8_gemm_kernel, splitk_reduce_kernel, w8_gemm_kernel, w8_gemv_kernel
@@ -112,13 +112,9 @@ def _has_fp8_mma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
-def _cuda_index(x: torch.Tensor) -> int:
-    return x.device.index if x.device.index is not None else torch.cuda.current_device()
-
-
 def has_fp8_tensor_cores(x: torch.Tensor) -> bool:
     """``x``'s GPU multiplies e4m3 on its tensor cores (compute capability >= 8.9); the interpreter stands in."""
-    return _has_fp8_mma(_cuda_index(x)) if x.is_cuda else triton_interpreting()
+    return _has_fp8_mma(cuda_index(x)) if x.is_cuda else triton_interpreting()
 
 
 def gemv_block_n(block_n: int, wanted: int) -> int:
@@ -133,7 +129,7 @@ def choose_path(tokens: int, x: torch.Tensor, n: int, k: int, block_n: int, bloc
     """The path of one call of ``tokens`` rows of ``x`` on an ``[n, k]`` weight (see the module's docstring); the
     FP8 paths need FP8 tensor cores and ``MLA_FUSER_FP8_ACT_QUANT`` (read per call) not off."""
     fp8_mma = envs.fp8_act_quant() and has_fp8_tensor_cores(x)
-    sms = _sm_count(_cuda_index(x)) if x.is_cuda else 0
+    sms = _sm_count(cuda_index(x)) if x.is_cuda else 0
     return _path(tokens, n, k, block_n, block_k, fp8_mma, fp8_mma and x.dtype in W8A8_DTYPES, sms)
 
 
