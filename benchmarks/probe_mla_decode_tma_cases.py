@@ -24,6 +24,10 @@ CASES = {
     "full_h5": {"H": 5, "splits": 3},
     "full_rope0": {"rope": 0, "splits": 3},
     "starts": {"lens": [70, 130, 200, 9], "starts": [5, 64, 97, 0], "splits": 1},
+    "starts_3split": {"lens": [70, 130, 200, 9], "starts": [5, 64, 97, 0], "splits": 3},
+    "both_ends": {"lens": [40, 130, 64], "starts": [5, 100, 63], "splits": 1},
+    "page128": {"lens": [150, 200, 3000], "ps": 128, "splits": 3},
+    "page128_starts": {"lens": [150, 200, 40], "starts": [70, 3, 5], "ps": 128, "splits": 1},
 }
 
 
@@ -49,9 +53,9 @@ def run_one(name, overrides):
     from mla_fuser.kernels import mla_decode as md, mla_decode_tma
     from test_kernel_mla_decode import _ref32, make_case
 
-    cfg = dict(lens=[64, 128, 3008], H=16, r=512, rope=64, splits=None, nan=True, starts=None)
+    cfg = dict(lens=[64, 128, 3008], H=16, r=512, rope=64, splits=None, nan=True, starts=None, ps=64)
     cfg.update(overrides)
-    q, kv, bt, sl = make_case(cfg["lens"], cfg["H"], cfg["r"], cfg["rope"], 64, torch.bfloat16, seed=1)
+    q, kv, bt, sl = make_case(cfg["lens"], cfg["H"], cfg["r"], cfg["rope"], cfg["ps"], torch.bfloat16, seed=1)
     if not cfg["nan"]:
         kv = torch.nan_to_num(kv, nan=0.0)
     q, kv, bt, sl = q.cuda(), kv.cuda(), bt.cuda(), sl.cuda()

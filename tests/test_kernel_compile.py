@@ -304,22 +304,22 @@ def test_decode_kernel_compiles_to_mma_at_its_h16_defaults(starts):
 @pytest.mark.parametrize("starts", [False, True])
 def test_tma_decode_kernel_reads_tiles_in_bulk_onto_wgmma_at_its_h16_config(starts):
     """``mla_decode_tma``'s stage 1 at ``TMA_CONFIG`` (16 heads, 64-token tiles, two 256-column value chunks and the
-    rope part) compiles for sm_90 to bulk tensor copies (three boxes a tile, in the loop and for the partial tiles)
-    feeding wgmma, and spills less than ``mla_decode``'s own kernel at the same tile (Triton 3.6: 8 stack bytes
-    against 1144; 3.9: 344 against 1168)."""
+    rope part) compiles for sm_90 to bulk tensor copies of 3-D boxes (three a tile, every tile in one loop) feeding
+    wgmma, and spills less than ``mla_decode``'s own kernel at the same tile."""
     from mla_fuser.kernels.mla_decode import TMA_CONFIG, _mla_decode_stage1
     from mla_fuser.kernels.mla_decode_tma import _mla_decode_tma_stage1
 
     cfg = TMA_CONFIG
     pointers = {"Q": "*bf16", "QR": "*bf16", "OUT": "*bf16", "BT": "*i32", "SEQ_LENS": "*i32", "STARTS": "*i32",
                 "O_PART": "*fp32", "LSE": "*fp32", "qk_scale": "fp32",
-                "KV_C": f"tensordesc<bf16[{cfg.block_n}, 256]>", "KV_R": f"tensordesc<bf16[{cfg.block_n}, 64]>"}
+                "KV": "*bf16", "KV_C": f"tensordesc<bf16[1, {cfg.block_n}, 256]>",
+                "KV_R": f"tensordesc<bf16[1, {cfg.block_n}, 64]>"}
     consts = dict(PAGE_SIZE=64, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, CHUNK=256, V_CHUNKS=2, ROPE=64, BLOCK_R=64,
                   DIRECT_OUT=False, DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_STARTS=starts)
     compiled = _compiled(_mla_decode_tma_stage1, pointers, consts, cfg.num_warps, cfg.num_stages)
     ptx = compiled.asm["ptx"]
     assert _count(ptx, "wgmma.mma_async") > 0
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.", ptx)) >= 3
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.", ptx)) >= 3
     plain = {p: "*bf16" for p in ("Q", "QR", "KV", "OUT")}
     plain.update({k: v for k, v in pointers.items() if not k.startswith("KV_") and k not in plain})
     old = _compiled(_mla_decode_stage1, plain, dict(

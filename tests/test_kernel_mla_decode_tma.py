@@ -48,9 +48,11 @@ def _both_kernels(monkeypatch, *args, **kwargs):
 @pytest.mark.parametrize("r,rope", [(512, 64), (256, 32), (512, 0)])
 def test_tma_kernel_equals_the_reference_over_ragged_pages(interp, monkeypatch, dtype, num_splits, r, rope):
     """Lengths 0, 1, one page exactly, a page and one row, a tile and a partial one; 16 and 5 heads (a masked
-    head tile); DeepSeek's, MiniCPM3's and a NoPE latent; splits of one tile, several, and empty ones."""
+    head tile); DeepSeek's, MiniCPM3's and a NoPE latent; splits of one tile, several, and empty ones; pages of one
+    tile (16 heads) and of two (5 heads: a cut tile in a page's second half)."""
     for H in (16, 5):
-        q, kv, bt, sl = make_case([0, 1, 64, 65, 150], H, r, rope, 64, dtype, seed=H + r + rope)
+        q, kv, bt, sl = make_case([0, 1, 64, 65, 150, 200], H, r, rope, 64 if H == 16 else 128, dtype,
+                                  seed=H + r + rope)
         out, plain = _both_kernels(monkeypatch, q, kv, bt, sl, 0.05, r, num_splits=num_splits)
         ref = _ref32(q, kv, bt, sl, 0.05, r)
         _check(out, ref, dtype)
@@ -58,13 +60,19 @@ def test_tma_kernel_equals_the_reference_over_ragged_pages(interp, monkeypatch, 
         torch.testing.assert_close(out.float(), plain.float(), atol=2e-2, rtol=2e-2)
 
 
+LEFT_PADDED_LENS = [70, 130, 200, 9, 40, 130, 64]
+LEFT_PADDED_STARTS = [5, 64, 97, 0, 5, 100, 63]
+
+
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-def test_tma_kernel_with_left_padding(interp, monkeypatch, num_splits):
-    """Starts inside the first tile, on a tile boundary, past a whole tile, at 0; the rows before each start are
-    NaN, so a first tile read whole must mask them as the last one's."""
-    lens = [70, 130, 200, 9]
-    starts = torch.tensor([5, 64, 97, 0], dtype=torch.int32)
-    q, kv, bt, sl = make_case(lens, 16, 256, 32, 64, torch.bfloat16, seed=7)
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_tma_kernel_with_left_padding(interp, monkeypatch, num_splits, page_size):
+    """Starts inside the first tile, on a tile boundary, past a whole tile, at 0; a sequence that starts and ends
+    inside one tile (read from pointers), a first tile cut at its start followed by a last one of two rows, one token
+    at a tile's last row; pages of one tile and of two.  The rows before each start are NaN, so a box that let one of
+    them into the maths would show."""
+    starts = torch.tensor(LEFT_PADDED_STARTS, dtype=torch.int32)
+    q, kv, bt, sl = make_case(LEFT_PADDED_LENS, 16, 256, 32, page_size, torch.bfloat16, seed=7)
     want, kv = _with_starts_naive(q.float(), kv.float(), bt, sl, starts, 0.1, 256)
     out, plain = _both_kernels(monkeypatch, q, kv.to(torch.bfloat16), bt, sl, 0.1, 256, num_splits=num_splits,
                                starts=starts)
@@ -158,11 +166,11 @@ def test_pool_descriptors_are_built_once_per_pool_and_go_with_it(interp):
     again = mla_decode_tma.pool_descriptors(kv, 64, 256, 64)
     assert again[0] is first[0] and again[1] is first[1]
     assert first[0].base.data_ptr() == kv.data_ptr() and first[0].base._base is None
-    assert list(first[0].shape) == [3 * 64, 576] and list(first[1].block_shape) == [64, 64]
+    assert list(first[0].shape) == [3, 64, 576] and list(first[1].block_shape) == [1, 64, 64]  # slots of 64 rows
     assert mla_decode_tma.pool_descriptors(kv, 32, 256, 64)[0] is not first[0]  # other boxes
     kv.set_(torch.zeros(4, 64, 576, dtype=torch.bfloat16).untyped_storage(), 0, (4, 64, 576))  # moved in place
     moved = mla_decode_tma.pool_descriptors(kv, 32, 256, 64)
-    assert list(moved[0].shape) == [4 * 64, 576] and moved[0].base.data_ptr() == kv.data_ptr()
+    assert list(moved[0].shape) == [8, 32, 576] and moved[0].base.data_ptr() == kv.data_ptr()
     key = id(kv)
     assert key in mla_decode_tma._POOL_DESCRIPTORS
     del kv, first, again, moved
@@ -195,14 +203,14 @@ def test_cuda_compiled_tma_kernel_over_ragged_pages_and_left_padding(monkeypatch
     ragged lengths, 16 and 5 heads, DeepSeek's and MiniCPM3's latents, against the fp32 reference and the
     pointer kernel."""
     for H, r, rope in ((16, 512, 64), (5, 512, 64), (16, 256, 32)):
-        q, kv, bt, sl = make_case([0, 1, 64, 65, 150, 3000], H, r, rope, 64, dtype, seed=H + r)
+        q, kv, bt, sl = make_case([0, 1, 64, 65, 150, 3000], H, r, rope, 128 if H == 5 else 64, dtype, seed=H + r)
         q, kv, bt, sl = q.cuda(), kv.cuda(), bt.cuda(), sl.cuda()
         out, plain = _both_kernels(monkeypatch, q, kv, bt, sl, 0.05, r, num_splits=num_splits)
         _check(out, _ref32(q, kv, bt, sl, 0.05, r), dtype)
         assert (out[0] == 0).all()
         torch.testing.assert_close(out.float(), plain.float(), atol=2e-2, rtol=2e-2)
-    starts = torch.tensor([5, 64, 97, 0], dtype=torch.int32)
-    q, kv, bt, sl = make_case([70, 130, 200, 9], 16, 512, 64, 64, dtype, seed=7)
+    starts = torch.tensor(LEFT_PADDED_STARTS, dtype=torch.int32)
+    q, kv, bt, sl = make_case(LEFT_PADDED_LENS, 16, 512, 64, 64, dtype, seed=7)
     want, kv = _with_starts_naive(q.float(), kv.float(), bt, sl, starts, 0.1, 512)
     out, plain = _both_kernels(monkeypatch, q.cuda(), kv.to(dtype).cuda(), bt.cuda(), sl.cuda(), 0.1, 512,
                                num_splits=num_splits, starts=starts.cuda())

@@ -3,18 +3,21 @@
 The attention and the split scheme are :mod:`mla_fuser.kernels.mla_decode`'s (read its docstring first; stage 2,
 the split choice and the launch plan are shared).  What differs is how a tile reaches the tensor cores:
 
-* **TMA**.  The page pool, seen as rows ``[pages * page_size, D]``, is described once on the host (:mod:`tma`);
-  each full tile (``BLOCK_N`` rows inside one page) comes in as value chunks of up to 256 columns (a box's limit) and
-  the rope part, in bulk copies straight to shared memory.  Loaded from pointers, the 16-head tile holds its
-  addresses and operands in registers: 255 per thread and 1144 bytes spilled for sm_90 (Triton 3.6).
+* **TMA**.  The page pool, seen as tile slots ``[pages * page_size / BLOCK_N, BLOCK_N, D]`` (a slot: one tile's
+  rows of one page), is described once on the host (:mod:`tma`); each tile comes in as value chunks of up to 256
+  columns (a box's limit) and the rope part, in bulk copies straight to shared memory.  Loaded from pointers, the
+  16-head tile holds its addresses and operands in registers: 255 per thread and 1144 bytes spilled for sm_90
+  (Triton 3.6).
 * **Transposed products** (``S^T = K Q^T``, ``O^T = V^T P^T``, as ``MLADecodeConfig.swap_ab``): the MMA's M side is
   the token tile and the value columns, so Hopper's ``wgmma`` reads the tile from shared memory where TMA put it, and
-  the accumulator per thread is small.  With both: 151 registers, no spill.
-* **Tiles with rows outside the sequence** (the sequence's last tile; with left padding, its first) come in whole
-  too, but a row past the sequence's end may hold anything its page held before (a NaN left by another call's
-  broken sequence would turn ``0 * NaN`` into NaN in ``P V``): their scores are masked and their value rows zeroed
-  in registers before ``P V`` (masked loads from pointers, as ``mla_decode`` reads, spilled more).  For sm_90
-  (Triton 3.6, 16 heads, 64-token tiles): 255 registers, 8 stack bytes (184 with left padding).
+  the accumulator per thread is small.  With both: 151 registers, no spill (Triton 3.6; 241 on 3.9).
+* **Tiles cut by the sequence** (its last tile; with left padding, its first) go through the same loop with their
+  box shifted inside the slot: by ``rows - BLOCK_N`` (negative) for a last tile of ``rows`` rows, by the start's row
+  for a first tile.  The rows outside the sequence then lie outside the slot, where TMA writes zeros, so ``P V``
+  never multiplies what a page held before (a NaN there would make ``0 * NaN``); only the scores are masked.  A
+  split whose one tile is cut at both ends (a left-padded sequence shorter than a tile) cannot be shifted so: it is
+  read after the loop by masked loads from pointers, in ``mla_decode``'s orientation.  With left padding: 255
+  registers and no spill (Triton 3.6), 255 and 168 stack bytes (3.9).
 
 A probe of this design (``benchmarks/probe_mla_decode_tma.py``: every tile full, no masking; an H100, CUDA-graph
 replay, 16 heads, 512 + 64, page 64; ``mla_decode_tma_probe_h100.json``) against the pointer kernel: B=32 L=4k 68.9
@@ -23,15 +26,15 @@ against 70.5 us, 64x8k 218.9 against 225.3, 16x1k 14.1 against 15.6, 1x16k 11.8 
 there ``mla_decode``'s kernel stays.  What this kernel itself gains is for ``bench_mla_decode_kernel.py --tma-ab``.
 
 **Off, and no setting turns it on** (``ENABLED``: tests and ``bench_mla_decode_kernel.py --tma-ab`` set it for
-their process).  Compiled on an H100 (Triton 3.6, 2026-12-07; ``mla_decode_tma_cases_h100.jsonl``, one case a
-process) its full tiles are right (0 to 1e-3 from the pointer kernel: 1, 3 and 24 splits, 512 + 64, 256 + 32, NoPE,
-5 heads) and its partial-tile block is wrong: a 150-token sequence comes out NaN when the rows past its end hold
-NaN and off by 0.1 when they hold zeros, and a 65-token sequence, or left padding, stops the process with an illegal
-memory access.  The interpreter runs the same cases right.  ``tests/test_kernel_mla_decode_tma.py``'s compiled test
-(``MLA_FUSER_TEST_DECODE_TMA_GPU=1``) reproduces it.  Where it is on, :func:`usable` says which calls it takes: a
-GPU with TMA (or the interpreter), a 16-bit contiguous pool with 16-byte rows, a value width of 256 or 512 (one or two
-chunks), a rope part of 0 or a power of two from 16 to 256, tiles inside pages.  Everything else runs
-``mla_decode``'s kernel.
+their process).  A first version read the cut tiles whole and zeroed their value rows in registers after the loop;
+compiled on an H100 (Triton 3.6) it was wrong (NaN, 0.1 off, illegal memory accesses) where the interpreter passed
+(``mla_decode_tma_cases_h100.jsonl``).  With the shifted boxes every one of those cases is right on that GPU
+(``mla_decode_tma_cases_shifted_h100.jsonl``); the tile cut at both ends, read then in the transposed orientation,
+was not, and is now read in ``mla_decode``'s, which has not yet run on a GPU.
+``tests/test_kernel_mla_decode_tma.py``'s compiled test (``MLA_FUSER_TEST_DECODE_TMA_GPU=1``) covers these cases.
+Where it is on, :func:`usable` says which calls it takes: a GPU with TMA (or the interpreter), a 16-bit contiguous
+pool with 16-byte rows, a value width of 256 or 512 (one or two chunks), a rope part of 0 or a power of two from 16
+to 256, tiles inside pages.  Everything else runs ``mla_decode``'s kernel.
 """
 
 from __future__ import annotations
@@ -69,9 +72,11 @@ _POOL_DESCRIPTORS: dict[int, tuple] = {}
 
 
 def pool_descriptors(kv_pages: torch.Tensor, block_n: int, chunk: int, rope: int):
-    """The descriptors of ``kv_pages``' rows in ``[block_n, chunk]`` and ``[block_n, rope]`` boxes, built once per
-    pool.  Why: building them costs ~5 us of host time per call (two descriptors and a view), a third of an eager
-    ``mla_decode`` call's wrapper, and a cache layer passes the same pool on every step.
+    """The descriptors of ``kv_pages`` as tile slots ``[slots, block_n, D]`` (a slot: ``block_n`` rows of a page) in
+    ``[1, block_n, chunk]`` and ``[1, block_n, rope]`` boxes, built once per pool.  Slots, not rows: a box shifted
+    past its slot's edge reads zeros there (what the kernel's cut tiles need), where over rows it would read the next
+    tile's.  Why once per pool: building them costs ~5 us of host time per call (two descriptors and a view), a third
+    of an eager ``mla_decode`` call's wrapper, and a cache layer passes the same pool on every step.
 
     Each entry is rebuilt when the pool's address, shape or the boxes differ, and is dropped with the pool: the
     descriptors are built over an alias of the pool's storage (``set_``, not a view: a view would keep the pool's
@@ -83,10 +88,11 @@ def pool_descriptors(kv_pages: torch.Tensor, block_n: int, chunk: int, rope: int
     if entry is not None and entry[0]() is kv_pages and entry[1] == signature:
         return entry[2], entry[3]
     width = kv_pages.shape[-1]
-    rows = torch.empty(0, dtype=kv_pages.dtype, device=kv_pages.device).set_(
-        kv_pages.untyped_storage(), kv_pages.storage_offset(), (kv_pages.numel() // width, width), (width, 1))
-    kv_c = tma_operand(rows, [block_n, chunk], True)
-    kv_r = tma_operand(rows, [block_n, rope], True) if rope else kv_c
+    slots = torch.empty(0, dtype=kv_pages.dtype, device=kv_pages.device).set_(
+        kv_pages.untyped_storage(), kv_pages.storage_offset(), (kv_pages.numel() // (block_n * width), block_n, width),
+        (block_n * width, width, 1))
+    kv_c = tma_operand(slots, [1, block_n, chunk], True)
+    kv_r = tma_operand(slots, [1, block_n, rope], True) if rope else kv_c
 
     def forget(ref, key=key):
         if _POOL_DESCRIPTORS.get(key, (None,))[0] is ref:
@@ -98,7 +104,7 @@ def pool_descriptors(kv_pages: torch.Tensor, block_n: int, chunk: int, rope: int
 
 @lazy_jit(do_not_specialize=("NUM_SPLITS", "stride_btb", "stride_lb", "stride_lh"))
 def _mla_decode_tma_stage1(
-    Q, QR, KV_C, KV_R, BT, SEQ_LENS, STARTS, O_PART, LSE, OUT,
+    Q, QR, KV, KV_C, KV_R, BT, SEQ_LENS, STARTS, O_PART, LSE, OUT,
     qk_scale, H, NUM_SPLITS,
     stride_qb, stride_qh, stride_qrb, stride_qrh, stride_btb,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -106,8 +112,9 @@ def _mla_decode_tma_stage1(
     V_CHUNKS: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, DIRECT_OUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, HAS_STARTS: tl.constexpr,
 ):
-    """Stage 1 (one head tile, one split, one sequence), transposed products; ``KV_C`` / ``KV_R``: descriptors of the
-    pool's rows in ``[BLOCK_N, CHUNK]`` / ``[BLOCK_N, ROPE]`` boxes."""
+    """Stage 1 (one head tile, one split, one sequence), transposed products.  ``KV_C`` / ``KV_R``: descriptors of the
+    pool as tile slots ``[slots, BLOCK_N, D]`` in ``[1, BLOCK_N, CHUNK]`` / ``[1, BLOCK_N, ROPE]`` boxes; ``KV``: the
+    pool itself (a split whose one tile is cut at both ends reads it from pointers)."""
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = tl.program_id(2)
@@ -123,10 +130,14 @@ def _mla_decode_tma_stage1(
     tiles_per_split = (n_tiles + NUM_SPLITS - 1) // NUM_SPLITS
     t_start = first + pid_s * tiles_per_split * BLOCK_N
     t_end = tl.minimum(t_start + tiles_per_split * BLOCK_N, seq_len)
-    # [lo, hi): the split's full tiles; a partial first tile (left padding) before, a partial last one after
-    head_partial = t_start < start_tok
-    lo = tl.where(head_partial, t_start + BLOCK_N, t_start)
-    hi = lo + (tl.maximum(t_end - lo, 0) // BLOCK_N) * BLOCK_N
+    if HAS_STARTS:
+        # The split is one tile with rows outside the sequence at both ends (a left-padded sequence shorter than a
+        # tile): no shift of the box leaves only the sequence inside its slot, so that tile is read from pointers
+        # after the loop, which then has nothing to do.
+        both_ends = (t_start < start_tok) & (t_end - t_start < BLOCK_N) & (t_start < t_end)
+        loop_end = tl.where(both_ends, t_start, t_end)
+    else:
+        loop_end = t_end
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
@@ -154,18 +165,26 @@ def _mla_decode_tma_stage1(
     bt_row = BT + b.to(tl.int64) * stride_btb
     p_dtype = Q.dtype.element_ty  # (the cache's dtype too)
 
-    # Full tiles: every row is one of this sequence's tokens, no mask.  (The partial tiles below run the same step:
-    # LazyJit kernels have no helper functions, see dispatch.LazyJit.)
-    for start in range(lo, hi, BLOCK_N):
-        page = tl.load(bt_row + start // PAGE_SIZE)
-        row = page * PAGE_SIZE + start % PAGE_SIZE
-        k0 = KV_C.load([row, 0])
+    # Every tile of the split, by TMA.  A tile cut by the sequence's end (or, with left padding, its start) is read
+    # with its box shifted inside its slot so that the rows outside the sequence fall outside the slot, where TMA
+    # writes zeros: the value rows P V reads there are 0, never what the page held before (0 * NaN is NaN), and
+    # their scores are masked.  Full tiles take the same path with a shift of 0 and every row valid.
+    for tok0 in range(t_start, loop_end, BLOCK_N):
+        page = tl.load(bt_row + tok0 // PAGE_SIZE)
+        slot = page * (PAGE_SIZE // BLOCK_N) + (tok0 % PAGE_SIZE) // BLOCK_N
+        if HAS_STARTS:
+            lo = tl.maximum(start_tok - tok0, 0)  # the sequence's rows of the slot: [lo, hi)
+        else:
+            lo = 0
+        hi = tl.minimum(t_end - tok0, BLOCK_N)
+        shift = tl.where(hi < BLOCK_N, hi - BLOCK_N, lo)  # (negative: the rows before the slot are the zeros)
+        k0 = KV_C.load([slot, shift, 0]).reshape(BLOCK_N, CHUNK)
         k1 = k0
         if V_CHUNKS == 2:
-            k1 = KV_C.load([row, CHUNK])
+            k1 = KV_C.load([slot, shift, CHUNK]).reshape(BLOCK_N, CHUNK)
         kr = k0
         if ROPE > 0:
-            kr = KV_R.load([row, V_CHUNKS * CHUNK])
+            kr = KV_R.load([slot, shift, V_CHUNKS * CHUNK]).reshape(BLOCK_N, ROPE)
         if DOT_UPCAST:
             k0 = k0.to(tl.float32)
             k1 = k1.to(tl.float32)
@@ -175,8 +194,9 @@ def _mla_decode_tma_stage1(
             st = tl.dot(k1, tl.trans(q1), acc=st, input_precision=DOT_PRECISION)
         if ROPE > 0:
             st = tl.dot(kr, tl.trans(qr), acc=st, input_precision=DOT_PRECISION)
-        st = st * qk_scale
-        m_new = tl.maximum(m_i, tl.reduce(st, 0, MAX_COMBINE))
+        in_seq = (offs_n + shift >= lo) & (offs_n + shift < hi)
+        st = tl.where(in_seq[:, None], st * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(st, 0, MAX_COMBINE))  # finite: every tile holds one of the tokens
         alpha = tl.exp2(m_i - m_new)
         pt = tl.exp2(st - m_new[None, :])
         l_i = l_i * alpha + tl.reduce(pt, 0, SUM_COMBINE)
@@ -188,53 +208,40 @@ def _mla_decode_tma_stage1(
             acc1 = tl.dot(tl.trans(k1), pt, acc=acc1 * alpha[None, :], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # Tiles with rows outside [start_tok, t_end) (at most two: a first tile under left padding, the last one): the same
-    # step with those rows' scores masked and their value rows zeroed before P V (p is 0 there, but 0 * NaN is not).
-    # Written once for both, unrolled (a loop over them, or value rows loaded from pointers, spilled more registers).
-    n_head = (head_partial & (t_start < t_end)).to(tl.int32)
-    n_tail = (hi < t_end).to(tl.int32)
-    for i in tl.static_range(2):  # (unrolled) a first tile under left padding, then the last tile
-        if i == 0:
-            start = t_start
-            todo = n_head == 1
-        else:
-            start = hi
-            todo = n_tail == 1
-        if todo:
-            tok = start + offs_n
-            mask_n = (tok < t_end) & (tok >= start_tok)
-            page = tl.load(bt_row + start // PAGE_SIZE)
-            row = page * PAGE_SIZE + start % PAGE_SIZE
-            k0 = KV_C.load([row, 0])
+    if HAS_STARTS:
+        if both_ends:  # the split's only tile, nothing accumulated before it: masked loads from pointers
+            page = tl.load(bt_row + t_start // PAGE_SIZE)
+            in_seq = (t_start + offs_n >= start_tok) & (t_start + offs_n < t_end)
+            kv_row = KV + (page.to(tl.int64) * PAGE_SIZE + t_start % PAGE_SIZE + offs_n)[:, None] * (V_CHUNKS * CHUNK
+                                                                                                   + ROPE)
+            k0 = tl.load(kv_row + offs_c[None, :], mask=in_seq[:, None], other=0.0)
             k1 = k0
             if V_CHUNKS == 2:
-                k1 = KV_C.load([row, CHUNK])
+                k1 = tl.load(kv_row + CHUNK + offs_c[None, :], mask=in_seq[:, None], other=0.0)
             kr = k0
             if ROPE > 0:
-                kr = KV_R.load([row, V_CHUNKS * CHUNK])
+                kr = tl.load(kv_row + V_CHUNKS * CHUNK + offs_r[None, :], mask=in_seq[:, None], other=0.0)
             if DOT_UPCAST:
                 k0 = k0.to(tl.float32)
                 k1 = k1.to(tl.float32)
                 kr = kr.to(tl.float32)
-            st = tl.dot(k0, tl.trans(q0), input_precision=DOT_PRECISION)
+            # (in mla_decode's orientation, S = Q K^T and O = P V: a transposed product whose operand is a register
+            # tile, V^T P^T, came out wrong compiled for sm_90 by Triton 3.6)
+            s = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
             if V_CHUNKS == 2:
-                st = tl.dot(k1, tl.trans(q1), acc=st, input_precision=DOT_PRECISION)
+                s = tl.dot(q1, tl.trans(k1), acc=s, input_precision=DOT_PRECISION)
             if ROPE > 0:
-                st = tl.dot(kr, tl.trans(qr), acc=st, input_precision=DOT_PRECISION)
-            st = tl.where(mask_n[:, None], st * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(st, 0, MAX_COMBINE))  # finite: the tile holds a valid token
-            alpha = tl.exp2(m_i - m_new)
-            pt = tl.exp2(st - m_new[None, :])
-            l_i = l_i * alpha + tl.reduce(pt, 0, SUM_COMBINE)
-            pt = pt.to(p_dtype)
+                s = tl.dot(qr, tl.trans(kr), acc=s, input_precision=DOT_PRECISION)
+            s = tl.where(in_seq[None, :], s * qk_scale, float("-inf"))
+            m_i = tl.reduce(s, 1, MAX_COMBINE)
+            p = tl.exp2(s - m_i[:, None])
+            l_i = tl.reduce(p, 1, SUM_COMBINE)
+            p = p.to(p_dtype)
             if DOT_UPCAST:
-                pt = pt.to(tl.float32)
-            v0 = tl.where(mask_n[:, None], k0, 0.0)
-            acc0 = tl.dot(tl.trans(v0), pt, acc=acc0 * alpha[None, :], input_precision=DOT_PRECISION)
+                p = p.to(tl.float32)
+            acc0 = tl.trans(tl.dot(p, k0, input_precision=DOT_PRECISION))
             if V_CHUNKS == 2:
-                v1 = tl.where(mask_n[:, None], k1, 0.0)
-                acc1 = tl.dot(tl.trans(v1), pt, acc=acc1 * alpha[None, :], input_precision=DOT_PRECISION)
-            m_i = m_new
+                acc1 = tl.trans(tl.dot(p, k1, input_precision=DOT_PRECISION))
 
     has_tok = l_i > 0.0
     inv_l = tl.where(has_tok, 1.0 / tl.where(has_tok, l_i, 1.0), 0.0)  # empty split / sequence: exact zeros
@@ -261,7 +268,7 @@ def launch_stage1(q, q_rope, kv_pages, block_table, seq_lens, starts, o_part, ls
     kv_c, kv_r = pool_descriptors(kv_pages, block_n, chunk, rope)
     q_st, qr_st, out_st = q.stride(), q_rope.stride(), out.stride()
     return _mla_decode_tma_stage1[(head_tiles, num_splits, q.shape[0])](
-        q, q_rope, kv_c, kv_r, block_table, seq_lens, starts if starts is not None else seq_lens,
+        q, q_rope, kv_pages, kv_c, kv_r, block_table, seq_lens, starts if starts is not None else seq_lens,
         o_part, lse, out, qk_scale, H, num_splits,
         q_st[0], q_st[1], qr_st[0], qr_st[1], block_table.stride(0),
         *sp, *sl, out_st[0], out_st[1],
