@@ -14,9 +14,9 @@ Reported per case:
 Targets (from the project brief): >= 3400 GB/s at H=16 for the three large shapes, >= 2000 GB/s at
 B=1 L=32768, >= 300 TFLOP/s at H=128.
 
-``--tma-ab`` runs the main rows on ``mla_decode_tma``'s kernel (off otherwise: its docstring says why) and times
-every case again with it off (``mla_decode``'s own kernel and tiles), in the same run; the correctness check runs on it
-too and says FAIL where it is wrong.
+``--tma-ab`` runs the main rows on ``mla_decode_tma``'s kernel (whatever ``MLA_FUSER_DECODE_TMA`` says; without
+``--tma-ab`` the setting decides, on by default) and times every case again with it off (``mla_decode``'s own kernel
+and tiles), in the same run; the correctness check runs on it too and says FAIL where it is wrong.
 
 Also: a correctness check against ``mla_decode_ref`` (fp32) on a ragged batch, ``--num-splits`` to
 force the split count, ``--sweep`` to time a grid of tile configs (BLOCK_H, BLOCK_N, num_warps,

@@ -9,7 +9,6 @@ zeroed value rows).  bf16 dots are upcast under the interpreter (see that file's
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from mla_fuser.kernels.tma import HAS_HOST_TENSOR_DESCRIPTORS
 
 from test_kernel_mla_decode import _check, _ref32, _with_starts_naive, make_case
 
-DEFAULT_ENABLED = mla_decode_tma.ENABLED  # (read when this file is imported, before any test turns it on)
+DEFAULT_ENABLED = mla_decode_tma.ENABLED  # (read when this file is imported, before any test sets it)
 
 pytestmark = pytest.mark.skipif(not HAS_HOST_TENSOR_DESCRIPTORS,
                                 reason="this Triton has no host tensor descriptors (3.4 on)")
@@ -28,7 +27,7 @@ pytestmark = pytest.mark.skipif(not HAS_HOST_TENSOR_DESCRIPTORS,
 
 @pytest.fixture(autouse=True)
 def tma_on(monkeypatch):
-    """The kernel is off (``mla_decode_tma.ENABLED``): on for these tests."""
+    """The kernel on for these tests whatever ``MLA_FUSER_DECODE_TMA`` says (``mla_decode_tma.ENABLED``)."""
     monkeypatch.setattr(mla_decode_tma, "ENABLED", True)
 
 
@@ -139,20 +138,33 @@ def test_usable_under_the_interpreter(interp):
     assert mla_decode_tma.usable(q[..., :512], torch.zeros(2, 64, 512, dtype=torch.bfloat16), 512, 0, False)
 
 
-def test_it_is_off_unless_the_process_turns_it_on(interp, monkeypatch):
-    """No setting turns the kernel on (compiled on a GPU it was wrong: the module docstring): ``mla_decode`` runs its
-    own kernel by default, the TMA one only where the process sets ``ENABLED``."""
-    from mla_fuser import envs
-
-    assert not any("TMA" in name for name in envs.VARIABLES)
-    assert DEFAULT_ENABLED is False
+@pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("0", False), ("off", False)])
+def test_the_setting_turns_it_on_and_off(interp, monkeypatch, value, on):
+    """On by default, ``MLA_FUSER_DECODE_TMA=0`` (or another off word) runs ``mla_decode``'s own kernel; the result is
+    right either way.  ``ENABLED`` is None unless a process sets it, and then wins over the setting."""
+    assert DEFAULT_ENABLED is None
     monkeypatch.setattr(mla_decode_tma, "ENABLED", DEFAULT_ENABLED)
+    if value is None:
+        monkeypatch.delenv("MLA_FUSER_DECODE_TMA", raising=False)
+    else:
+        monkeypatch.setenv("MLA_FUSER_DECODE_TMA", value)
     q, kv, bt, sl = make_case([70], 16, 512, 64, 64, torch.bfloat16, seed=9)
+    out = md.mla_decode(q, kv, bt, sl, 0.05, 512)
+    assert md.LAST_LAUNCH["config"].tma is on
+    _check(out, _ref32(q, kv, bt, sl, 0.05, 512), torch.bfloat16)
+    monkeypatch.setattr(mla_decode_tma, "ENABLED", not on)
     md.mla_decode(q, kv, bt, sl, 0.05, 512)
-    assert not md.LAST_LAUNCH["config"].tma
-    monkeypatch.setattr(mla_decode_tma, "ENABLED", True)
-    md.mla_decode(q, kv, bt, sl, 0.05, 512)
-    assert md.LAST_LAUNCH["config"].tma
+    assert md.LAST_LAUNCH["config"].tma is (not on)
+
+
+def test_a_bad_setting_is_an_error(interp, monkeypatch):
+    from mla_fuser.envs import SettingError
+
+    monkeypatch.setattr(mla_decode_tma, "ENABLED", None)
+    monkeypatch.setenv("MLA_FUSER_DECODE_TMA", "maybe")
+    q, kv, bt, sl = make_case([70], 16, 512, 64, 64, torch.bfloat16, seed=9)
+    with pytest.raises(SettingError, match="MLA_FUSER_DECODE_TMA"):
+        md.mla_decode(q, kv, bt, sl, 0.05, 512)
 
 
 def test_pool_descriptors_are_built_once_per_pool_and_go_with_it(interp):
@@ -192,10 +204,6 @@ def test_a_pool_read_twice_gives_the_same_output_from_its_kept_descriptors(inter
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="the compiled kernel needs a Hopper GPU (TMA)")
-@pytest.mark.skipif(not os.environ.get("MLA_FUSER_TEST_DECODE_TMA_GPU"),
-                    reason="the compiled kernel is known wrong (mla_decode_tma's docstring) and its illegal memory "
-                           "access would poison the CUDA context of the GPU tests after it: run it alone with "
-                           "MLA_FUSER_TEST_DECODE_TMA_GPU=1")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
 def test_cuda_compiled_tma_kernel_over_ragged_pages_and_left_padding(monkeypatch, dtype, num_splits):

@@ -366,7 +366,7 @@ class MLADecodeConfig:
     tma: bool = False
 
 
-# Up to 16 heads where mla_decode_tma's kernel can run and is on (``mla_decode_tma.ENABLED``; its probe on an H100:
+# Up to 16 heads where mla_decode_tma's kernel can run and is on (``MLA_FUSER_DECODE_TMA``; its probe on an H100:
 # ``mla_decode_tma_probe_h100.json``; 1 program per SM: 2 stages of 64-token tiles fill its shared memory)
 TMA_CONFIG = MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, swap_ab=True, ctas_per_sm=1, tma=True)
 TMA_MAX_HEADS = 16

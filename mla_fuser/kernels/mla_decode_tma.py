@@ -25,38 +25,52 @@ against 70.5 us, 64x8k 218.9 against 225.3, 16x1k 14.1 against 15.6, 1x16k 11.8 
 25.3.  At 64 and 128 heads (64-head tiles) TMA was within 3% either way and the transposed form 13-24% slower, so
 there ``mla_decode``'s kernel stays.  What this kernel itself gains is for ``bench_mla_decode_kernel.py --tma-ab``.
 
-**Off, and no setting turns it on** (``ENABLED``: tests and ``bench_mla_decode_kernel.py --tma-ab`` set it for
-their process).  A first version read the cut tiles whole and zeroed their value rows in registers after the loop;
-compiled on an H100 (Triton 3.6) it was wrong (NaN, 0.1 off, illegal memory accesses) where the interpreter passed
-(``mla_decode_tma_cases_h100.jsonl``).  With the shifted boxes every one of those cases is right on that GPU
-(``mla_decode_tma_cases_shifted_h100.jsonl``); the tile cut at both ends, read then in the transposed orientation,
-was not, and is now read in ``mla_decode``'s, which has not yet run on a GPU.
-``tests/test_kernel_mla_decode_tma.py``'s compiled test (``MLA_FUSER_TEST_DECODE_TMA_GPU=1``) covers these cases.
-Where it is on, :func:`usable` says which calls it takes: a GPU with TMA (or the interpreter), a 16-bit contiguous
+**On by default**; ``MLA_FUSER_DECODE_TMA=0`` turns it off (``ENABLED``, when not None, overrides the setting in
+a process: tests and ``bench_mla_decode_kernel.py --tma-ab``).  A first version read the cut tiles whole and zeroed
+their value rows in registers after the loop; compiled on an H100 (Triton 3.6) it was wrong (NaN, 0.1 off, illegal
+memory accesses) where the interpreter passed (``mla_decode_tma_cases_h100.jsonl``), and so was the both-ends tile
+read from pointers in the transposed orientation.  This version is right on that GPU in every case
+(``mla_decode_tma_cases_shifted_h100.jsonl``, ``mla_decode_tma_cases_both_ends_h100.jsonl``: 0.0 from the pointer
+kernel), in its compiled test (``tests/test_kernel_mla_decode_tma.py``, on a Hopper GPU) and in
+the GPU tests of both Transformers ends with it on; ``bench_mla_decode_kernel.py --tma-ab`` (16 heads, 512 + 64,
+page 64, CUDA-graph replay; ``mla_decode_tma_ab_h100.json``) gives 24.6 against 25.5 us at B=1 L=32k, 15.8 / 17.5 at
+1x16k, 9.3 / 9.6 at 1x4k, 16.9 / 17.7 at 4x4k, 18.5 / 19.3 at 16x1k, 68.6 / 70.3 at 32x4k, 220.3 / 225.6 at 64x8k.
+A whole graphed step does not show it (``decode_tma_generate_h100.json``: within 1%).
+Where it is on, :func:`usable` says which calls it takes: a Hopper GPU (compute capability 9.x: where it was tuned and
+checked; newer GPUs have TMA too, but other tensor-core instructions) or the interpreter, a 16-bit contiguous
 pool with 16-byte rows, a value width of 256 or 512 (one or two chunks), a rope part of 0 or a power of two from 16
 to 256, tiles inside pages.  Everything else runs ``mla_decode``'s kernel.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 
-from .dispatch import MAX_COMBINE, SUM_COMBINE, lazy_jit, tl
+from .. import envs
+from .dispatch import MAX_COMBINE, SUM_COMBINE, cuda_index, lazy_jit, tl
 from .tma import MAX_BOX, tma_operand, tma_ready
 
 __all__ = ["ENABLED", "launch_stage1", "usable"]
 
-# this process's choice, off: wrong when compiled (see above); tests and a benchmark's A/B set it to run the kernel
-ENABLED = False
+# this process's choice where not None (tests, a benchmark's A/B); None follows MLA_FUSER_DECODE_TMA (on by default)
+ENABLED: bool | None = None
 
 KERNEL_DTYPES_BYTES = 2  # bf16 / fp16 pools only (fp32 inputs keep mla_decode's fp32 tiles)
 
 
+@functools.lru_cache(maxsize=8)
+def _hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
 def usable(q, kv_pages, v_dim: int, rope: int, per_row_pages: bool) -> bool:
     """Whether this kernel is on and can run the call: see the module docstring."""
-    if not ENABLED:
+    if not (envs.decode_tma() if ENABLED is None else ENABLED):
+        return False
+    if kv_pages.is_cuda and not _hopper(cuda_index(kv_pages)):  # (tuned and checked on Hopper only)
         return False
     if per_row_pages or kv_pages.element_size() != KERNEL_DTYPES_BYTES or q.dtype != kv_pages.dtype:
         return False
