@@ -2,13 +2,12 @@
 kernel, under Triton's interpreter (which stands in for a GPU with TMA and reads host tensor descriptors).
 
 The caches come from ``test_kernel_mla_decode.make_case``: NaN in every row no sequence owns, rows past each
-sequence's end included, so the kernel's whole-row tile loads must keep those rows out of the maths (masked scores,
-zeroed value rows).  bf16 dots are upcast under the interpreter (see that file's docstring); the GPU tests and
-``bench_mla_decode_kernel.py --tma-ab`` run the compiled kernel.
+sequence's end included, so the kernel's cut tiles must keep those rows out of the maths (boxes shifted so that TMA
+reads zeros there, scores masked).  bf16 dots are upcast under the interpreter (see that file's docstring); the
+compiled test at the end (a Hopper GPU) and ``bench_mla_decode_kernel.py --tma-ab`` run the compiled kernel.
 """
 
 from __future__ import annotations
-
 
 import pytest
 import torch

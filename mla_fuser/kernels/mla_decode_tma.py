@@ -36,6 +36,7 @@ the GPU tests of both Transformers ends with it on; ``bench_mla_decode_kernel.py
 page 64, CUDA-graph replay; ``mla_decode_tma_ab_h100.json``) gives 24.6 against 25.5 us at B=1 L=32k, 15.8 / 17.5 at
 1x16k, 9.3 / 9.6 at 1x4k, 16.9 / 17.7 at 4x4k, 18.5 / 19.3 at 16x1k, 68.6 / 70.3 at 32x4k, 220.3 / 225.6 at 64x8k.
 A whole graphed step does not show it (``decode_tma_generate_h100.json``: within 1%).
+
 Where it is on, :func:`usable` says which calls it takes: a Hopper GPU (compute capability 9.x: where it was tuned and
 checked; newer GPUs have TMA too, but other tensor-core instructions) or the interpreter, a 16-bit contiguous
 pool with 16-byte rows, a value width of 256 or 512 (one or two chunks), a rope part of 0 or a power of two from 16
