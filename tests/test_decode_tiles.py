@@ -50,13 +50,13 @@ def test_a_malformed_table_raises_naming_the_file_and_the_shape(tmp_path, bad):
 
 def test_tuned_tiles_apply_only_to_2_byte_dtypes_on_the_tuned_gpu_generation(tmp_path, monkeypatch):
     monkeypatch.setattr(decode_tiles, "TABLE_PATH", _write(tmp_path, {"20,512,64": FIELDS}))
-    monkeypatch.setattr(decode_tiles, "_capability_major", lambda index: 9)
+    monkeypatch.setattr(decode_tiles, "capability_major", lambda index: 9)
     assert decode_tiles.tuned_tiles(20, 512, 64, torch.bfloat16, 0) == FIELDS
     assert decode_tiles.tuned_tiles(20, 512, 64, torch.float16, 0) == FIELDS
     assert decode_tiles.tuned_tiles(20, 512, 64, torch.float32, 0) is None  # fp32: never tuned
     assert decode_tiles.tuned_tiles(20, 512, 64, torch.bfloat16, None) is None  # off CUDA
     assert decode_tiles.tuned_tiles(16, 512, 64, torch.bfloat16, 0) is None  # another shape
-    monkeypatch.setattr(decode_tiles, "_capability_major", lambda index: 8)
+    monkeypatch.setattr(decode_tiles, "capability_major", lambda index: 8)
     assert decode_tiles.tuned_tiles(20, 512, 64, torch.bfloat16, 0) is None  # another GPU generation
 
 
@@ -80,7 +80,7 @@ def test_the_launch_plan_takes_tuned_tiles_unless_a_config_is_given_or_rows_are_
 
 
 def test_a_table_of_ones_own_replaces_the_shipped_one(tmp_path, monkeypatch):
-    monkeypatch.setattr(decode_tiles, "_capability_major", lambda index: 9)
+    monkeypatch.setattr(decode_tiles, "capability_major", lambda index: 9)
     assert decode_tiles.table_path() == decode_tiles.TABLE_PATH
     own = _write(tmp_path, {"16,512,64": FIELDS})
     monkeypatch.setenv("MLA_FUSER_DECODE_TILES", own)

@@ -18,6 +18,7 @@ import os
 import torch
 
 from .. import envs
+from .dispatch import capability_major
 
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned", "mla_decode.json")
 FIELDS = ("block_h", "block_n", "num_warps", "num_stages", "swap_ab", "ctas_per_sm")
@@ -47,11 +48,6 @@ def load_table(path: str = TABLE_PATH) -> tuple[int | None, dict]:
     return int(data["capability"][0]), shapes
 
 
-@functools.lru_cache(maxsize=None)
-def _capability_major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
 def table_path() -> str:
     """The table in use: ``$MLA_FUSER_DECODE_TILES`` where set (read at each call), else the shipped one."""
     return envs.decode_tiles_path() or TABLE_PATH
@@ -64,6 +60,6 @@ def tuned_tiles(num_heads: int, latent: int, rope: int, dtype: torch.dtype, devi
     if device_index is None or dtype not in (torch.bfloat16, torch.float16):
         return None
     major, shapes = load_table(path or table_path())
-    if major is None or _capability_major(device_index) != major:
+    if major is None or capability_major(device_index) != major:
         return None
     return shapes.get((num_heads, latent, rope))

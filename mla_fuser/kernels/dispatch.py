@@ -87,6 +87,13 @@ def cuda_index(x: torch.Tensor) -> int:
     return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
 
+@functools.lru_cache(maxsize=None)
+def capability_major(device_index: int) -> int:
+    """The compute capability's major version of CUDA device ``device_index`` (9: Hopper), asked once per device:
+    kernels pick tiles and paths by it on every eager call."""
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= ``n`` (1 for ``n <= 1``): ``tl.arange`` tiles must be powers of two."""
     return 1 << max(0, int(n) - 1).bit_length()

@@ -21,11 +21,9 @@ Requirements (else the caller joins the rows and uses ``mla_decode``): ``r/2`` a
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .dispatch import MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, next_pow2, tl, use_triton
+from .dispatch import MAX_COMBINE, SUM_COMBINE, capability_major, cdiv, lazy_jit, next_pow2, tl, use_triton
 from .mla_decode import (
     _LOG2E, MLADecodeConfig, _tile_n, default_config, dot_mode, launch_plan, merge_splits, mla_decode_ref,
     split_partials,
@@ -202,11 +200,10 @@ GROUP_TOKENS: int | None = None
 GROUPED_CONFIG = MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, swap_ab=False, ctas_per_sm=1)
 
 
-@functools.lru_cache(maxsize=None)
 def _hopper(device: torch.device) -> bool:
     """Whether :data:`GROUPED_CONFIG` (3 stages of 64-token tiles: Hopper's shared memory) fits this device (a
     tensor's: a CUDA one always has its index)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and capability_major(device.index) >= 9
 
 
 def tokens_per_program(heads: int) -> int:

@@ -45,13 +45,12 @@ to 256, tiles inside pages.  Everything else runs ``mla_decode``'s kernel.
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
 
 from .. import envs
-from .dispatch import MAX_COMBINE, SUM_COMBINE, cuda_index, lazy_jit, tl
+from .dispatch import MAX_COMBINE, SUM_COMBINE, capability_major, cuda_index, lazy_jit, tl
 from .tma import MAX_BOX, tma_operand, tma_ready
 
 __all__ = ["ENABLED", "launch_stage1", "usable"]
@@ -62,16 +61,11 @@ ENABLED: bool | None = None
 KERNEL_DTYPES_BYTES = 2  # bf16 / fp16 pools only (fp32 inputs keep mla_decode's fp32 tiles)
 
 
-@functools.lru_cache(maxsize=8)
-def _hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
-
-
 def usable(q, kv_pages, v_dim: int, rope: int, per_row_pages: bool) -> bool:
     """Whether this kernel is on and can run the call: see the module docstring."""
     if not (envs.decode_tma() if ENABLED is None else ENABLED):
         return False
-    if kv_pages.is_cuda and not _hopper(cuda_index(kv_pages)):  # (tuned and checked on Hopper only)
+    if kv_pages.is_cuda and capability_major(cuda_index(kv_pages)) != 9:  # (tuned and checked on Hopper only)
         return False
     if per_row_pages or kv_pages.element_size() != KERNEL_DTYPES_BYTES or q.dtype != kv_pages.dtype:
         return False

@@ -13,11 +13,9 @@ Users: the block-FP8 GEMMs (``fp8.linear``, ``fused_moe.fp8_launch``) and the pa
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .dispatch import cuda_index, triton_interpreting
+from .dispatch import capability_major, cuda_index, triton_interpreting
 
 try:  # (Triton 3.4+: tensor descriptors built on the host)
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
@@ -30,17 +28,12 @@ HAS_HOST_TENSOR_DESCRIPTORS = _TensorDescriptor is not None
 MAX_BOX = 256  # elements per box dimension, at most
 
 
-@functools.lru_cache(maxsize=8)
-def _has_tma(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 def has_tma(x: torch.Tensor) -> bool:
     """This Triton builds host tensor descriptors and ``x``'s GPU has a Tensor Memory Accelerator (compute capability
     >= 9.0); on CPU tensors the interpreter stands in."""
     if _TensorDescriptor is None:
         return False
-    return _has_tma(cuda_index(x)) if x.is_cuda else triton_interpreting()
+    return capability_major(cuda_index(x)) >= 9 if x.is_cuda else triton_interpreting()
 
 
 def tma_ready(x: torch.Tensor, *operands: torch.Tensor) -> bool:
