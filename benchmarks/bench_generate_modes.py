@@ -17,6 +17,12 @@ Modes (DeepSeek-V2-Lite preset, bf16, CUDA; B x prompt length):
     static_cache    B=16 L=1024, Transformers' ``StaticCache`` passed by the caller (fused: converted to a static paged
                     cache and filled at the end; its auto-compile off: ``disable_compile=True``, so both are the
                     forwards as they run; compiling native is another benchmark)
+    compiled        B=16 L=1024, the forward compiled by the caller as Transformers' docs show it
+                    (``model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``,
+                    ``cache_implementation="static"``): fused, the compiled steps run over a static paged cache (not our
+                    graph: ``last_generate_plan(model).reason`` says so); native over its ``StaticCache``.  Compiling
+                    falls in the call's first steps and in ``generate_s``, not in the median step; the forward is
+                    restored afterwards
 
 A step's time is the median gap between consecutive calls of a logits processor (generate syncs every step on its
 stop check), after the first three steps (an eager step that compiles new kernel variants, the capture of a graphed
@@ -45,9 +51,12 @@ import torch
 
 # in this order (the issue's targets first), so that a run cut short by --budget-s keeps those
 MODES = ("greedy", "beam4", "right_padded", "left_padded", "dynamic_cache", "static_cache", "chat_turn",
-         "sample_top_p", "greedy_b1", "prompt_lookup", "greedy_eager")
+         "sample_top_p", "greedy_b1", "prompt_lookup", "greedy_eager", "compiled")
 # steps not counted: the first (eager: kernel compiles of new variants) and the capture of a graphed call
 SKIPPED_STEPS = 3
+# a compiled forward: its first decode steps compile (and recompile once positions are seen to change) and record its
+# CUDA graphs
+SKIPPED_STEPS_COMPILED = 8
 # modes whose native call is another mode's (not run twice)
 NATIVE_SAME_AS = {"greedy_eager": "greedy", "dynamic_cache": "greedy"}
 TARGETS = {"beam4": "<= 8 ms/step", "right_padded": "<= 1.3x left_padded", "dynamic_cache": "<= 1.3x greedy",
@@ -109,7 +118,8 @@ def mode_call(mode: str, model, fused: bool, batch: int, length: int, device):
     kw = dict(attention_mask=mask, do_sample=False)
     from mla_fuser.runtime import eager_decode
 
-    context = eager_decode if mode == "greedy_eager" else contextlib.nullcontext
+    context = (eager_decode if mode == "greedy_eager" else (lambda: compiled_forward(model)) if mode == "compiled"
+               else contextlib.nullcontext)
     if mode == "beam4":
         kw["num_beams"] = 4
     elif mode == "sample_top_p":
@@ -133,7 +143,25 @@ def mode_call(mode: str, model, fused: bool, batch: int, length: int, device):
 
     if mode == "static_cache":
         kw["disable_compile"] = True
+    if mode == "compiled":
+        kw["cache_implementation"] = "static"
     return ids, kw, context, cache, cache_keyword(model)
+
+
+@contextlib.contextmanager
+def compiled_forward(model):
+    """The caller's habit from Transformers' docs: the instance's forward replaced by its ``torch.compile`` (CUDA
+    graphs of its own: ``mode="reduce-overhead"``, no graph breaks: ``fullgraph=True``); restored on exit."""
+    had = "forward" in model.__dict__
+    original = model.__dict__.get("forward")
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    try:
+        yield
+    finally:
+        if had:
+            model.forward = original
+        else:
+            del model.forward
 
 
 def timed_generate(model, ids, kw, new_tokens, cache, keyword, sync):
@@ -161,6 +189,12 @@ def measure(mode, model, fused, args, device, sync):
 
     ids, kw, context, cache, keyword = mode_call(mode, model, fused, args.batch, args.prompt, device)
     forwards = []
+    if mode == "compiled":
+        import torch._dynamo
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
     hook = model.register_forward_pre_hook(lambda *_: forwards.append(time.perf_counter()))
     try:
         with context(), torch.no_grad():
@@ -170,7 +204,7 @@ def measure(mode, model, fused, args, device, sync):
             total = time.perf_counter() - t0
     finally:
         hook.remove()
-    steady = gaps[SKIPPED_STEPS:] or gaps
+    steady = gaps[SKIPPED_STEPS_COMPILED if mode == "compiled" else SKIPPED_STEPS:] or gaps
     row = {"ms_per_step": statistics.median(steady) * 1e3, "ms_per_step_min": min(steady) * 1e3,
            "generate_s": total, "batch_rows": int(ids.shape[0]) * kw.get("num_beams", 1), "forwards": len(forwards)}
     if mode == "prompt_lookup":  # verification forwards: from one forward's start to the next (after warm-up)
@@ -178,6 +212,9 @@ def measure(mode, model, fused, args, device, sync):
         if spans:
             row["ms_per_forward"] = statistics.median(spans) * 1e3
             row["tokens_per_forward"] = args.steps / max(1, len(forwards) - 1)
+    if mode == "compiled":  # (graphs dynamo compiled; CUDA-graph recordings inductor skipped, with why in its log)
+        row.update(compiled_graphs=counters["stats"]["unique_graphs"],
+                   cudagraph_skips=counters["inductor"]["cudagraph_skips"])
     if fused:
         plan = last_generate_plan(model)
         row.update(graphed=plan.graphed, captures=plan.captures, graphed_steps=plan.steps, eager_reason=plan.reason)

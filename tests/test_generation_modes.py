@@ -464,30 +464,68 @@ def test_divergence_gap_is_natives_own_margin_on_right_padded_rows(pair):
 
 @pytest.mark.parametrize("implementation", [None, "static"])
 def test_a_forward_the_caller_compiled_runs_over_a_static_paged_cache_not_our_graph(pair, graphed, implementation):
-    """``model.forward = torch.compile(model.forward, ...)`` (a common habit): our graph would capture around the
-    compiled forward (a compile, or its own CUDA graphs with mode="reduce-overhead", cannot run inside a capture),
-    so the plan leaves the steps to it, over a static paged cache (fixed addresses), and says so; tokens are
-    native's.  (Here the ``eager`` backend: tracing only, the CPU stand-in.)"""
+    """``model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``, as Transformers'
+    docs show it: our graph would capture around the compiled forward (a compile, or its own CUDA graphs, cannot run
+    inside a capture), so the plan leaves the decode steps to it, over a static paged cache (fixed addresses), and
+    says so.  With ``fullgraph=True`` the prefill must run uncompiled (its pool allocation cannot be traced: it raised
+    before); the buffers the steps read are then marked static addresses (what ``reduce-overhead``'s CUDA graphs need
+    of inputs written in place), and the next call of the same shape takes the same cache back, so nothing is
+    compiled again.  Tokens are native's; the caller's compiled forward is in place after each call.  (Here the
+    ``eager`` backend: tracing only, the CPU stand-in; ``test_gpu_generation_modes.py`` compiles for real.)"""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
-    from mla_fuser.runtime.generate import COMPILED_BY_CALLER
+    from mla_fuser.runtime.compiled_forward import COMPILED_BY_CALLER, step_tensors
 
     native, _ = pair
     fused = tiny_deepseek(attn="vllm_mla")
     mla_fuser.fuse(fused)
     ids, mask = left_padded_prompts([9, 12], seed=3)
     kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    extra = {} if implementation is None else {"cache_implementation": implementation}
     torch._dynamo.reset()
+    counters.clear()
     try:
-        fused.forward = torch.compile(fused.forward, backend="eager")
-        extra = {} if implementation is None else {"cache_implementation": implementation}
+        compiled = fused.forward = torch.compile(fused.forward, backend="eager", fullgraph=True)
         out = fused.generate(ids, **kw, **extra)
+        plan, graphs = last_generate_plan(fused), counters["stats"]["unique_graphs"]
+        again = fused.generate(ids, **kw, **extra)
+        assert counters["stats"]["unique_graphs"] == graphs > 0  # (the kept cache: its marked buffers, no recompile)
+        assert last_generate_plan(fused).cache is plan.cache and fused.__dict__["forward"] is compiled
     finally:
         torch._dynamo.reset()
-    plan = last_generate_plan(fused)
-    assert not plan.graphed and plan.reason == COMPILED_BY_CALLER
+        mla_fuser.release_decode_graphs(fused)
+    assert not plan.graphed and plan.reason == COMPILED_BY_CALLER and plan.prefill_uncompiled
     assert isinstance(plan.cache, PagedLatentCache) and plan.cache.static
-    assert torch.equal(out, native.generate(ids, **kw))
+    tensors = [t for layer in plan.cache.paged for t in step_tensors(layer)]
+    assert tensors and all(hasattr(t, "_dynamo_static_input_type") for t in tensors)  # (mark_static_address's tag)
+    assert any(t is layer.pool.pages for layer in plan.cache.paged for t in step_tensors(layer))
+    reference = native.generate(ids, **kw)
+    assert torch.equal(out, reference) and torch.equal(again, reference)
+
+
+def test_a_compiled_forward_that_is_not_the_models_own_keeps_its_prefill_compiled(pair):
+    """A function of the caller's compiled and set as the forward is not ours to bypass: the plan runs every forward
+    through it (no uncompiled prefill), still over a static paged cache."""
+    from mla_fuser.runtime.compiled_forward import uncompiled_forward
+    from mla_fuser.runtime.generate import plan_generate
+
+    _, fused = pair
+    original = type(fused).forward
+
+    def custom(*args, **kwargs):
+        return original(fused, *args, **kwargs)
+
+    fused.forward = torch.compile(custom, backend="eager")
+    try:
+        assert uncompiled_forward(fused) is None
+        ids, mask = left_padded_prompts([9, 12], seed=3)
+        plan = plan_generate(fused, (ids,), dict(attention_mask=mask, max_new_tokens=10), True, False)
+        assert not plan.prefill_uncompiled and plan.cache.static
+        fused.forward = torch.compile(fused.__class__.forward.__get__(fused), backend="eager")
+        assert uncompiled_forward(fused) is not None
+    finally:
+        del fused.forward
 
 
 def test_eager_decode_turns_the_graphs_off_for_its_block_only(pair, monkeypatch):

@@ -40,6 +40,7 @@ from ..compat import ATTENTION_NAME, CACHE_KWARGS, attention_implementation, cac
 from ..fusers.moe.experts import keep_fused_experts, switched_experts_views
 from ..plans import model_state
 from . import callers_cache, kept_steps, step_ahead
+from .compiled_forward import COMPILED_BY_CALLER, caller_compiled_forward, prefill_uncompiled, uncompiled_forward
 from .decode_graph import DecodeGraph
 from .step_ahead import StepAhead
 
@@ -78,6 +79,8 @@ def extend_generate(model) -> list[str]:
             if plan.cache is None:
                 return inner(*args, **kwargs)
             kwargs = plan.arguments(kwargs, keyword)
+            if plan.prefill_uncompiled:
+                return run_compiled(self, inner, plan, args, kwargs)
             if not plan.graphed:
                 return inner(*args, **kwargs)
             plan.take_in()
@@ -119,6 +122,7 @@ class GeneratePlan:
     ahead_until: int | None = None  # the length up to which a step may be launched ahead (runtime.step_ahead)
     steps_ahead: int = 0  # decode steps launched ahead and taken by the forward that asked for them
     taken_back: int = 0  # steps launched ahead that nobody asked for (the call's end), taken back
+    prefill_uncompiled: bool = False  # the caller compiled the forward: its prefill runs uncompiled (below)
 
     def left_padding(self) -> torch.Tensor | None:
         """Per row, the prompt's leading padding when ``padding`` is left padding, else None (read once per call)."""
@@ -184,30 +188,36 @@ def plan_generate(model, args, kwargs, paged: bool, states_only: bool) -> Genera
     return _plan_for_callers_cache(model, user[1], shape)
 
 
-COMPILED_BY_CALLER = ("the caller compiled the model's forward (torch.compile): its own compiled steps run (with "
-                      "mode='reduce-overhead', its own CUDA graphs); ours would capture around them")
-
-
-def caller_compiled_forward(model) -> bool:
-    """Whether the instance's ``forward`` is a ``torch.compile`` of it (``model.forward = torch.compile(
-    model.forward, ...)``, a common habit): such a forward is not captured inside our graph (a compile or its own
-    CUDA-graph recording cannot run inside a capture)."""
-    forward = model.__dict__.get("forward")
-    return forward is not None and (hasattr(forward, "_torchdynamo_orig_callable")
-                                    or bool(getattr(forward, "_is_torch_compile", False)))
-
-
 def _plan_for_compiled_forward(model, shape: "CallShape", user, implementation) -> GeneratePlan:
-    """The caller's compiled forward runs every step.  With no cache chosen (or ``cache_implementation="static"``),
-    over a static paged cache: fixed addresses, as a compiled forward's CUDA graphs need; else as the caller asked."""
+    """The caller's compiled forward runs every decode step.  With no cache chosen (or
+    ``cache_implementation="static"``), over a static paged cache: fixed addresses, as a compiled forward's CUDA
+    graphs need, and the prefill on the forward as it was before compiling (:func:`prefill_uncompiled`); else as the
+    caller asked."""
     if user is not None or (implementation is not None and implementation not in GRAPHED_CACHE_IMPLEMENTATIONS):
         return GeneratePlan(reason=COMPILED_BY_CALLER)
     overrides = {"cache_implementation": None} if implementation is not None else {}
+    uncompiled = uncompiled_forward(model) is not None
     if shape.reason:  # (nothing to size a static cache by, or a strategy our plan leaves as it is)
         return GeneratePlan(PagedLatentCache(model), reason=f"{COMPILED_BY_CALLER}; {shape.reason}",
-                            overrides=overrides)
-    cache = PagedLatentCache.static_for(model, shape.batch, shape.max_seq_len)
-    return GeneratePlan(cache, reason=COMPILED_BY_CALLER, overrides=overrides)
+                            overrides=overrides, prefill_uncompiled=uncompiled)
+    left = None if shape.padding is None else _left_padding(shape.padding)
+    key = kept_steps.step_key(model, shape.batch, shape.max_seq_len, shape.padding, left is not None)
+    fingerprint = None if key is None else kept_steps.model_fingerprint(model)
+    found = kept_steps.take(model, key, fingerprint)  # (the last call's cache: its marked buffers, no new compile)
+    cache = found[0] if found is not None else PagedLatentCache.static_for(
+        model, shape.batch, shape.max_seq_len if key is None else kept_steps.cache_size(shape.max_seq_len))
+    return GeneratePlan(cache, reason=COMPILED_BY_CALLER, overrides=overrides, prefill_uncompiled=uncompiled,
+                        keep_key=key, fingerprint=fingerprint)
+
+
+def run_compiled(model, inner, plan: GeneratePlan, args, kwargs):
+    """A call whose forward the caller compiled, over the plan's static paged cache (``compiled_forward``); the
+    cache is kept for the model's next call of the same shape unless the output carries it."""
+    with prefill_uncompiled(model, plan.cache):
+        out = inner(*args, **kwargs)
+    if _cache_field(out, plan.cache) is None:
+        kept_steps.keep(model, plan.keep_key, plan.cache, None, plan.fingerprint)
+    return out
 
 
 def _plan_for_callers_cache(model, cache, shape: "CallShape") -> GeneratePlan:

@@ -1,0 +1,109 @@
+"""A ``generate()`` call of a fused model whose forward the caller compiled (``model.forward = torch.compile(...)``).
+
+Transformers' docs show the habit as ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` with
+``cache_implementation="static"``.  Our own CUDA graph cannot capture around a compiled forward (a compile, or its
+own CUDA-graph recording, cannot run inside a capture), so such a call leaves the decode steps to the compiled
+forward, over a static paged cache (``generate.plan_generate``).  Two things make that work as the habit expects:
+
+* **The prefill runs uncompiled** (:func:`prefill_uncompiled`): the first forward allocates the cache's page pools
+  and writes the prompt through host-side bookkeeping that ``fullgraph=True`` cannot trace (it raised), and a
+  compiled prefill would be compiled again for every prompt length.  Transformers' own compiled generation never
+  compiles its prefill either (``_prefill`` calls the module, the decode steps the compiled call).
+* **The cache's buffers are static addresses** (:func:`mark_static_addresses`): ``mode="reduce-overhead"`` records
+  CUDA graphs (cudagraph trees) that copy every tensor input which is not a parameter, a buffer or marked static
+  into their own memory before each replay, and do not record at all when such an input is written in place: the
+  page pools and tables a decode step reads and appends to must be marked, as Transformers' ``StaticCache`` marks its
+  keys and values.  Marked tensors are guarded by identity, so a new cache per call would mean a new compile per
+  call: the plan keeps its static cache for the model's next call of the same shape (``kept_steps``), as Transformers
+  keeps ``model._cache``.
+
+The tensors marked are those a paged layer lists as the memory its steps read (``_WATCHED``, which the cache counts
+moves of for our own graphs: ``cache_moves``); the cache itself knows nothing of compilation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+
+import torch
+
+from ..attention_interfaces.paged import MAX_STEP_TOKENS
+from ..cache_moves import CountsMoves
+
+COMPILED_BY_CALLER = ("the caller compiled the model's forward (torch.compile): its own compiled steps run (with "
+                      "mode='reduce-overhead', its own CUDA graphs); ours would capture around them")
+
+
+def caller_compiled_forward(model) -> bool:
+    """Whether the instance's ``forward`` is a ``torch.compile`` of it (``model.forward = torch.compile(
+    model.forward, ...)``, a common habit)."""
+    forward = model.__dict__.get("forward")
+    return forward is not None and (hasattr(forward, "_torchdynamo_orig_callable")
+                                    or bool(getattr(forward, "_is_torch_compile", False)))
+
+
+def uncompiled_forward(model):
+    """The forward the caller compiled, bound to ``model``, when it is the class's own (``model.forward =
+    torch.compile(model.forward, ...)``); None for anything else (a function of the caller's, compiled)."""
+    compiled = model.__dict__.get("forward")
+    original = getattr(compiled, "_torchdynamo_orig_callable", None)
+    own = getattr(type(model), "forward", None)
+    if inspect.ismethod(original):
+        return original if original.__self__ is model and original.__func__ is own else None
+    return types.MethodType(original, model) if original is not None and original is own else None
+
+
+@contextlib.contextmanager
+def prefill_uncompiled(model, cache):
+    """For one call over ``cache``: the forwards that feed a prompt (the call's first, and any of more than
+    ``MAX_STEP_TOKENS`` tokens per row: prefill chunks) run the forward as it was before compiling, and the buffers
+    they leave in ``cache`` are marked static (:func:`mark_static_addresses`); the decode steps (and verification
+    steps of up to ``MAX_STEP_TOKENS`` tokens) run the compiled one.  The outputs are the same; the caller's compiled
+    forward is put back when the call returns."""
+    compiled = model.__dict__["forward"]
+    original = uncompiled_forward(model)
+    calls = [0]
+
+    def forward(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        prompt = calls[0] == 0 or (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > MAX_STEP_TOKENS)
+        calls[0] += 1
+        if not prompt:
+            return compiled(*args, **kwargs)
+        out = original(*args, **kwargs)
+        mark_static_addresses(cache)
+        return out
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        model.forward = compiled
+
+
+def step_tensors(owner) -> list[torch.Tensor]:
+    """The tensors ``owner`` (a cache class that counts its moves) lists as the memory its steps read, through the
+    objects it holds that count theirs (a layer's page pool)."""
+    found = []
+    for name in sorted(type(owner)._WATCHED):
+        value = owner.__dict__.get(name)
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, CountsMoves):
+                found.extend(step_tensors(item))
+    return found
+
+
+def mark_static_addresses(cache) -> int:
+    """Mark the tensors the decode steps of ``cache``'s paged layers read as static addresses for
+    ``torch.compile`` (see the module docstring); returns how many were marked (each once)."""
+    seen = set()
+    for layer in cache.paged:
+        for tensor in step_tensors(layer):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                torch._dynamo.mark_static_address(tensor)
+    return len(seen)
