@@ -504,6 +504,34 @@ def test_a_forward_the_caller_compiled_runs_over_a_static_paged_cache_not_our_gr
     assert torch.equal(out, reference) and torch.equal(again, reference)
 
 
+def test_a_compiled_forward_over_a_right_padded_batch_runs_the_call_uncompiled(pair, graphed):
+    """A compiled decode step asserts left padding on the device (it cannot branch on its mask; on CUDA a failed
+    assert ends the process's CUDA context), so a right-padded call of a model whose forward the caller compiled runs
+    as if it were not compiled: planned again over the uncompiled forward (graphed here, its padding moved in the
+    cache), the reason saying so; tokens are native's and the compiled forward is back in place afterwards."""
+    import torch._dynamo
+
+    from mla_fuser.runtime.compiled_forward import PADDING_NOT_COMPILED
+
+    native, _ = pair
+    fused = tiny_deepseek(attn="vllm_mla")
+    mla_fuser.fuse(fused)
+    ids, mask = left_padded_prompts([9, 12], seed=3)
+    ids, mask = ids.flip(1), mask.flip(1)
+    kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    torch._dynamo.reset()
+    try:
+        compiled = fused.forward = torch.compile(fused.forward, backend="eager", fullgraph=True)
+        out = fused.generate(ids, **kw)
+        assert fused.__dict__["forward"] is compiled
+    finally:
+        torch._dynamo.reset()
+        mla_fuser.release_decode_graphs(fused)
+    plan = last_generate_plan(fused)
+    assert plan.graphed and plan.reason.startswith(PADDING_NOT_COMPILED)
+    assert torch.equal(out, native.generate(ids, **kw))
+
+
 def test_a_compiled_forward_that_is_not_the_models_own_keeps_its_prefill_compiled(pair):
     """A function of the caller's compiled and set as the forward is not ours to bypass: the plan runs every forward
     through it (no uncompiled prefill), still over a static paged cache."""

@@ -9,6 +9,10 @@ forward, over a static paged cache (``generate.plan_generate``).  Two things mak
   and writes the prompt through host-side bookkeeping that ``fullgraph=True`` cannot trace (it raised), and a
   compiled prefill would be compiled again for every prompt length.  Transformers' own compiled generation never
   compiles its prefill either (``_prefill`` calls the module, the decode steps the compiled call).
+* **Left padding only**: a compiled step cannot branch on its mask, so it asserts left padding on the device
+  (``attention_interfaces.vllm_mla.left_padding_of``), which would end the process's CUDA context; a call whose
+  prompt is padded otherwise runs as if the forward were not compiled (:func:`forward_uncompiled`; graphed where it
+  can be), and its plan's reason says so.
 * **The cache's buffers are static addresses** (:func:`mark_static_addresses`): ``mode="reduce-overhead"`` records
   CUDA graphs (cudagraph trees) that copy every tensor input which is not a parameter, a buffer or marked static
   into their own memory before each replay, and do not record at all when such an input is written in place: the
@@ -34,6 +38,10 @@ from ..cache_moves import CountsMoves
 
 COMPILED_BY_CALLER = ("the caller compiled the model's forward (torch.compile): its own compiled steps run (with "
                       "mode='reduce-overhead', its own CUDA graphs); ours would capture around them")
+
+
+PADDING_NOT_COMPILED = ("the caller compiled the model's forward, but a compiled decode step reads left padding only "
+                        "(its mask cannot move the padding): this call ran the forward as it was before compiling")
 
 
 def caller_compiled_forward(model) -> bool:
@@ -77,6 +85,19 @@ def prefill_uncompiled(model, cache):
         return out
 
     model.forward = forward
+    try:
+        yield
+    finally:
+        model.forward = compiled
+
+
+@contextlib.contextmanager
+def forward_uncompiled(model):
+    """For one call: the instance's forward is the one the caller compiled, uncompiled (a batch padded other than on
+    the left: a compiled step asserts left padding on the device, so it would fail, and the call's own plan moves
+    such padding in the cache instead).  The compiled forward is put back when the call returns."""
+    compiled = model.__dict__["forward"]
+    model.forward = uncompiled_forward(model)
     try:
         yield
     finally:

@@ -40,7 +40,10 @@ from ..compat import ATTENTION_NAME, CACHE_KWARGS, attention_implementation, cac
 from ..fusers.moe.experts import keep_fused_experts, switched_experts_views
 from ..plans import model_state
 from . import callers_cache, kept_steps, step_ahead
-from .compiled_forward import COMPILED_BY_CALLER, caller_compiled_forward, prefill_uncompiled, uncompiled_forward
+from .compiled_forward import (
+    COMPILED_BY_CALLER, PADDING_NOT_COMPILED, caller_compiled_forward, forward_uncompiled, prefill_uncompiled,
+    uncompiled_forward,
+)
 from .decode_graph import DecodeGraph
 from .step_ahead import StepAhead
 
@@ -75,17 +78,25 @@ def extend_generate(model) -> list[str]:
         with keep_fused_experts(self, experts) if experts else contextlib.nullcontext():
             _LAST_PLANS.pop(self, None)  # (its cache is freed before this call's is made, unless kept)
             plan = plan_generate(self, args, kwargs, paged, states_only)
-            _LAST_PLANS[self] = plan
-            if plan.cache is None:
-                return inner(*args, **kwargs)
-            kwargs = plan.arguments(kwargs, keyword)
-            if plan.prefill_uncompiled:
-                return run_compiled(self, inner, plan, args, kwargs)
-            if not plan.graphed:
-                return inner(*args, **kwargs)
-            plan.take_in()
-            out = generate_graphed(self, inner, plan.cache, args, kwargs, padding=plan.padding, plan=plan)
-            return plan.hand_back(out)
+            if plan.uncompiled_call:  # (padding a compiled step cannot decode: the call as if never compiled)
+                with forward_uncompiled(self):
+                    plan = plan_generate(self, args, kwargs, paged, states_only)
+                    plan.reason = "; ".join(filter(None, (PADDING_NOT_COMPILED, plan.reason)))
+                    return run(self, plan, args, kwargs)
+            return run(self, plan, args, kwargs)
+
+    def run(self, plan, args, kwargs):
+        _LAST_PLANS[self] = plan
+        if plan.cache is None:
+            return inner(*args, **kwargs)
+        kwargs = plan.arguments(kwargs, keyword)
+        if plan.prefill_uncompiled:
+            return run_compiled(self, inner, plan, args, kwargs)
+        if not plan.graphed:
+            return inner(*args, **kwargs)
+        plan.take_in()
+        out = generate_graphed(self, inner, plan.cache, args, kwargs, padding=plan.padding, plan=plan)
+        return plan.hand_back(out)
 
     model.generate = types.MethodType(generate, model)
     state.generate_extended = True
@@ -123,6 +134,7 @@ class GeneratePlan:
     steps_ahead: int = 0  # decode steps launched ahead and taken by the forward that asked for them
     taken_back: int = 0  # steps launched ahead that nobody asked for (the call's end), taken back
     prefill_uncompiled: bool = False  # the caller compiled the forward: its prefill runs uncompiled (below)
+    uncompiled_call: bool = False  # the caller compiled the forward, but the padding needs the call uncompiled
 
     def left_padding(self) -> torch.Tensor | None:
         """Per row, the prompt's leading padding when ``padding`` is left padding, else None (read once per call)."""
@@ -201,6 +213,8 @@ def _plan_for_compiled_forward(model, shape: "CallShape", user, implementation) 
         return GeneratePlan(PagedLatentCache(model), reason=f"{COMPILED_BY_CALLER}; {shape.reason}",
                             overrides=overrides, prefill_uncompiled=uncompiled)
     left = None if shape.padding is None else _left_padding(shape.padding)
+    if shape.padding is not None and left is None and uncompiled:
+        return GeneratePlan(uncompiled_call=True)
     key = kept_steps.step_key(model, shape.batch, shape.max_seq_len, shape.padding, left is not None)
     fingerprint = None if key is None else kept_steps.model_fingerprint(model)
     found = kept_steps.take(model, key, fingerprint)  # (the last call's cache: its marked buffers, no new compile)
