@@ -189,11 +189,11 @@ def measure(mode, model, fused, args, device, sync):
 
     ids, kw, context, cache, keyword = mode_call(mode, model, fused, args.batch, args.prompt, device)
     forwards = []
-    if mode == "compiled":
-        import torch._dynamo
+    if mode == "compiled":  # (imported as names of their own: ``import torch._dynamo`` would make torch local here)
+        from torch._dynamo import reset as dynamo_reset
         from torch._dynamo.utils import counters
 
-        torch._dynamo.reset()
+        dynamo_reset()
         counters.clear()
     hook = model.register_forward_pre_hook(lambda *_: forwards.append(time.perf_counter()))
     try:

@@ -54,7 +54,7 @@ def mask_free_steps():
 
 
 def in_mask_free_steps() -> bool:
-    return _MASK_FREE.get()
+    return not torch.compiler.is_compiling() and _MASK_FREE.get()  # (torch 2.11 cannot trace ContextVar.get)
 
 
 def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts=None):

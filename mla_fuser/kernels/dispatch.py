@@ -278,6 +278,6 @@ class graph_warmup:
 def launches_are_free() -> bool:
     """True while a CUDA graph is captured (or its warm-up step runs) or torch.compile traces: kernel launches cost
     no host time at replay, so fewer, fused kernels always pay."""
-    if _GRAPH_WARMUP.get() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _GRAPH_WARMUP.get():  # (first: torch 2.11 cannot trace ContextVar.get)
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
