@@ -215,11 +215,7 @@ def _plan_for_compiled_forward(model, shape: "CallShape", user, implementation) 
     left = None if shape.padding is None else _left_padding(shape.padding)
     if shape.padding is not None and left is None and uncompiled:
         return GeneratePlan(uncompiled_call=True)
-    key = kept_steps.step_key(model, shape.batch, shape.max_seq_len, shape.padding, left is not None)
-    fingerprint = None if key is None else kept_steps.model_fingerprint(model)
-    found = kept_steps.take(model, key, fingerprint)  # (the last call's cache: its marked buffers, no new compile)
-    cache = found[0] if found is not None else PagedLatentCache.static_for(
-        model, shape.batch, shape.max_seq_len if key is None else kept_steps.cache_size(shape.max_seq_len))
+    cache, _, key, fingerprint = _own_static_cache(model, shape, left)  # (a kept one: its marked buffers, no compile)
     return GeneratePlan(cache, reason=COMPILED_BY_CALLER, overrides=overrides, prefill_uncompiled=uncompiled,
                         keep_key=key, fingerprint=fingerprint)
 
@@ -265,17 +261,26 @@ def _graphed_over_own_cache(model, shape: "CallShape", fallback=None, **extra) -
     kept with its captured step, where the shape and the model still match (``kept_steps``), else a new one, kept in
     turn when the call returns."""
     extra["left"] = (None if shape.padding is None else _left_padding(shape.padding),)  # (the plan's, read once)
-    key = kept_steps.step_key(model, shape.batch, shape.max_seq_len, shape.padding, extra["left"][0] is not None)
+    cache, graph, key, fingerprint = _own_static_cache(model, shape, extra["left"][0])
+    if graph is not None:
+        return GeneratePlan(cache, graphed=True, padding=shape.padding, graph=graph, keep_key=key,
+                            fingerprint=fingerprint, ahead_until=shape.ahead_until, **extra)
+    plan = _graphed(model, cache, shape, fallback=fallback, **extra)
+    plan.keep_key, plan.fingerprint = (key, fingerprint) if plan.graphed else (None, None)
+    return plan
+
+
+def _own_static_cache(model, shape: "CallShape", left) -> tuple:
+    """``(cache, graph, keep key, fingerprint)`` of a static paged cache of our own for the call: the one (and the
+    captured step, possibly None) the model's last call kept where the shape and the model still match
+    (``kept_steps``), else a new one sized to be kept in turn (``graph`` None); ``left``: the call's left padding."""
+    key = kept_steps.step_key(model, shape.batch, shape.max_seq_len, shape.padding, left is not None)
     fingerprint = None if key is None else kept_steps.model_fingerprint(model)
     found = kept_steps.take(model, key, fingerprint)
     if found is not None:
-        cache, graph = found
-        return GeneratePlan(cache, graphed=True, padding=shape.padding, graph=graph, keep_key=key,
-                            fingerprint=fingerprint, ahead_until=shape.ahead_until, **extra)
+        return (*found, key, fingerprint)
     size = shape.max_seq_len if key is None else kept_steps.cache_size(shape.max_seq_len)
-    plan = _graphed(model, PagedLatentCache.static_for(model, shape.batch, size), shape, fallback=fallback, **extra)
-    plan.keep_key, plan.fingerprint = (key, fingerprint) if plan.graphed else (None, None)
-    return plan
+    return PagedLatentCache.static_for(model, shape.batch, size), None, key, fingerprint
 
 
 def _graphs_over_own_cache(model) -> bool:
