@@ -1,5 +1,7 @@
+import contextlib
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -92,6 +94,25 @@ def callers_cache(kind, model, max_cache_len):
     if kind == "dynamic":
         return DynamicCache(config=model.config)
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+def swap_experts_like_on_a_gpu(model):
+    """Transformers' generate switches ``grouped_mm`` experts to ``batched_mm`` for its decode steps off a CPU only
+    (``_optimize_model_for_decode``); on this instance, do here what it does there.  Returns the list of
+    swaps made, one entry per call of generate."""
+    swaps = []
+
+    @contextlib.contextmanager
+    def swap(self):
+        swaps.append(1)
+        self.set_experts_implementation("batched_mm")
+        try:
+            yield
+        finally:
+            self.set_experts_implementation("grouped_mm")
+
+    model._optimize_model_for_decode = types.MethodType(swap, model)
+    return swaps
 
 
 def left_padded_prompts(lengths, vocab=128, seed=0):

@@ -17,7 +17,8 @@ from mla_fuser.compat import cache_keyword
 from mla_fuser.runtime import generate as runtime_generate
 from mla_fuser.runtime.generate import last_generate_plan
 
-from conftest import callers_cache, left_padded_prompts, native_and_fused_deepseek, tiny_deepseek
+from conftest import (callers_cache, left_padded_prompts, native_and_fused_deepseek,
+                      swap_experts_like_on_a_gpu, tiny_deepseek)
 
 KW = cache_keyword(tiny_deepseek(layers=1))  # ``cache`` (5.2x) or ``past_key_values``
 
@@ -471,7 +472,9 @@ def test_a_forward_the_caller_compiled_runs_over_a_static_paged_cache_not_our_gr
     before); the buffers the steps read are then marked static addresses (what ``reduce-overhead``'s CUDA graphs need
     of inputs written in place), and the next call of the same shape takes the same cache back, so nothing is
     compiled again.  Tokens are native's; the caller's compiled forward is in place after each call.  (Here the
-    ``eager`` backend: tracing only, the CPU stand-in; ``test_gpu_generation_modes.py`` compiles for real.)"""
+    ``eager`` backend: tracing only, the CPU stand-in; ``test_gpu_generation_modes.py`` compiles for real.)  The
+    decode steps run inside generate's swap of the experts to ``batched_mm``, as on a GPU: the compiled step reads
+    the flag that keeps our experts fused (torch 2.11's Dynamo failed there on ``ContextVar.get``)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -480,6 +483,7 @@ def test_a_forward_the_caller_compiled_runs_over_a_static_paged_cache_not_our_gr
     native, _ = pair
     fused = tiny_deepseek(attn="vllm_mla")
     mla_fuser.fuse(fused)
+    swaps = swap_experts_like_on_a_gpu(fused)
     ids, mask = left_padded_prompts([9, 12], seed=3)
     kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
     extra = {} if implementation is None else {"cache_implementation": implementation}
@@ -496,6 +500,7 @@ def test_a_forward_the_caller_compiled_runs_over_a_static_paged_cache_not_our_gr
         torch._dynamo.reset()
         mla_fuser.release_decode_graphs(fused)
     assert not plan.graphed and plan.reason == COMPILED_BY_CALLER and plan.prefill_uncompiled
+    assert len(swaps) == 2  # (both calls decoded inside the swap)
     assert isinstance(plan.cache, PagedLatentCache) and plan.cache.static
     tensors = [t for layer in plan.cache.paged for t in step_tensors(layer)]
     assert tensors and all(hasattr(t, "_dynamo_static_input_type") for t in tensors)  # (mark_static_address's tag)

@@ -359,9 +359,6 @@ def test_a_capture_is_not_invalidated_by_another_thread_waiting_for_the_device(m
     assert max(gaps, default=0.0) < TOLERANCE, f"fused and native split on a clear preference: {gaps}"
 
 
-@pytest.mark.xfail(reason="on an H200 with torch 2.11 the compiled decode step still breaks where the fused experts' "
-                          "implementation is read (fusers/moe/experts.py: ContextVar.get, which that Dynamo cannot "
-                          "trace); the norm and mask-free checks before it were fixed", strict=False)
 @torch.no_grad()
 def test_a_forward_compiled_as_transformers_docs_show_records_its_cuda_graphs_and_agrees_with_native(models):
     """``model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` with

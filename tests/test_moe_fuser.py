@@ -1,7 +1,6 @@
 """MoE fuser: structural matching on toy blocks with arbitrary names, declines, and fused == native on tiny
 DeepSeek-V2/V3, Mixtral, Qwen3-MoE and Qwen2-MoE models (plus the Triton kernels under the interpreter)."""
 
-import contextlib
 import types
 
 import pytest
@@ -16,7 +15,7 @@ from mla_fuser.fusers.base import Fuser
 from mla_fuser.fusers.moe import IMPL_NAME, MoEFuser, StackedExperts, route
 from mla_fuser.plans import plan_of
 
-from conftest import tiny_deepseek
+from conftest import swap_experts_like_on_a_gpu, tiny_deepseek
 
 H, E, I, K = 32, 4, 16, 2
 WIDE = 48
@@ -539,18 +538,42 @@ def test_generate_decode_swap_keeps_the_fused_experts():
 
     experts.forward = types.MethodType(spy, experts)
 
-    @contextlib.contextmanager
-    def swap_like_on_a_gpu(self):  # Transformers only swaps off CPU; do here what it does there
-        self.set_experts_implementation("batched_mm")
-        try:
-            yield
-        finally:
-            self.set_experts_implementation("grouped_mm")
-
-    model._optimize_model_for_decode = types.MethodType(swap_like_on_a_gpu, model)
+    swaps = swap_experts_like_on_a_gpu(model)
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(4))
     model.generate(ids, max_new_tokens=4, do_sample=False)
-    assert len(seen) == 4 and set(seen) == {IMPL_NAME}
+    assert len(seen) == 4 and set(seen) == {IMPL_NAME} and len(swaps) == 1
+
+
+def test_a_fullgraph_compiled_forward_keeps_the_fused_experts_through_the_decode_swap():
+    """A forward compiled with ``fullgraph=True`` inside generate's decode-time swap reads the swap's flag while
+    Dynamo traces it (torch 2.11's Dynamo cannot trace ``ContextVar.get``: the compile failed there), stays on the
+    fused kernel inside the block and runs batched_mm, the user's choice, outside it."""
+    from mla_fuser.fusers.moe import keep_fused_experts
+    import mla_fuser.kernels.fused_moe as fm
+
+    model = _model("mixtral")
+    native = _model("mixtral")
+    mla_fuser.fuse(model)
+    ran = []
+    kernel = fm.fused_experts
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+    ids = torch.randint(3, 128, (1, 1), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fm, "fused_experts", lambda *a, **k: ran.append("op") or kernel(*a, **k))
+        expected = native(input_ids=ids).logits
+        with keep_fused_experts(model):
+            model.set_experts_implementation("batched_mm")  # what _optimize_model_for_decode does on a GPU
+            try:
+                inside = forward(input_ids=ids).logits
+            finally:
+                model.set_experts_implementation("grouped_mm")
+        assert ran and set(ran) == {"op"}
+        del ran[:]
+        model.set_experts_implementation("batched_mm")  # the user's own choice: the compiled forward follows it
+        outside = forward(input_ids=ids).logits
+        assert not ran
+    assert _rel(expected, inside) <= 1e-4 and _rel(expected, outside) <= 1e-4
 
 
 def test_cpu_calls_of_middle_size_run_grouped_mm(monkeypatch):

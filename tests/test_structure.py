@@ -11,7 +11,7 @@ MAX_LINES = 700
 
 # lowest first; a module may import its own layer's or lower layers' modules (the first matching prefix decides)
 LAYERS = [
-    ("envs", "compat", "plans", "fx_ops"),
+    ("envs", "compat", "plans", "fx_ops", "context_flags"),
     ("kernels",),
     ("graph",),
     ("rewrite", "rotary_call"),

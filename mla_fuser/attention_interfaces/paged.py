@@ -21,11 +21,9 @@ where the caller guarantees that the only padding is the cache's own left paddin
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import torch
 
+from ..context_flags import ContextFlag
 from ..kernels.dispatch import on_device, use_triton
 from ..kernels.latent_fp8 import is_fp8
 from ..kernels.mla_decode import mla_decode
@@ -38,23 +36,18 @@ from ..kernels.skinny_linear import skinny_bmm
 # own limit for short queries, vllm_mla.ABSORBED_MAX_QUERY)
 MAX_STEP_TOKENS = 16
 
-_MASK_FREE = contextvars.ContextVar("mla_fuser_mask_free_steps", default=False)
+_MASK_FREE = ContextFlag("mask_free_steps", False)
 
 
-@contextlib.contextmanager
 def mask_free_steps():
     """Within it, a step of several tokens per sequence over the paged cache ignores the attention mask and attends
     causally with the cache's own left padding (see the module docstring).  ``runtime.DecodeGraph`` runs its steps
     in it: they take no mask, so the one the model builds is plain causal."""
-    token = _MASK_FREE.set(True)
-    try:
-        yield
-    finally:
-        _MASK_FREE.reset(token)
+    return _MASK_FREE.set_to(True)
 
 
 def in_mask_free_steps() -> bool:
-    return not torch.compiler.is_compiling() and _MASK_FREE.get()  # (torch 2.11 cannot trace ContextVar.get)
+    return _MASK_FREE.get()
 
 
 def paged_decode(query, view, scaling, w_uk, w_uv, b_v, m, starts=None):

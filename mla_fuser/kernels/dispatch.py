@@ -18,7 +18,6 @@ implementation.  Which one runs is decided here, once per call, from the input t
 
 from __future__ import annotations
 
-import contextvars
 import contextlib
 import functools
 import inspect
@@ -26,6 +25,7 @@ import inspect
 import torch
 
 from .. import envs
+from ..context_flags import ContextFlag
 from .direct_launch import direct_launcher, launch_device
 
 VALID_BACKENDS = envs.VARIABLES["MLA_FUSER_BACKEND"].choices
@@ -258,26 +258,19 @@ def kernel_op(name: str, *, mutates_args=(), eager=None):
 # ----------------------------------------------------------------------------------------------------------------------
 # CUDA graphs: are launches free?
 
-_GRAPH_WARMUP = contextvars.ContextVar("mla_fuser_graph_warmup", default=False)
+_GRAPH_WARMUP = ContextFlag("graph_warmup", False)
 
 
-class graph_warmup:
+def graph_warmup():
     """Context for the eager step that precedes a CUDA-graph capture: code that picks kernels by whether launches
     are free (:func:`launches_are_free`) picks what the capture will, so every kernel it uses is compiled before
     capturing starts."""
-
-    def __enter__(self):
-        self._token = _GRAPH_WARMUP.set(True)
-        return self
-
-    def __exit__(self, *exc):
-        _GRAPH_WARMUP.reset(self._token)
-        return False
+    return _GRAPH_WARMUP.set_to(True)
 
 
 def launches_are_free() -> bool:
     """True while a CUDA graph is captured (or its warm-up step runs) or torch.compile traces: kernel launches cost
     no host time at replay, so fewer, fused kernels always pay."""
-    if torch.compiler.is_compiling() or _GRAPH_WARMUP.get():  # (first: torch 2.11 cannot trace ContextVar.get)
+    if torch.compiler.is_compiling() or _GRAPH_WARMUP.get():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

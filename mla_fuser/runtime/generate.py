@@ -23,7 +23,6 @@ cache classes, ``use_cache=False``, see ``callers_cache.refusal``) is passed thr
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import inspect
 import types
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import envs
+from ..context_flags import ContextFlag
 from ..attention_interfaces.vllm_mla import left_padding_of
 from ..attention_interfaces.paged import MAX_STEP_TOKENS
 from ..cache import PagedLatentCache, paged_layer_indices
@@ -342,19 +342,14 @@ def graphs_possible(model) -> bool:
     return device.type == "cuda" and cuda_graphs_wanted() and not torch.cuda.is_current_stream_capturing()
 
 
-_NO_CUDA_GRAPHS = contextvars.ContextVar("mla_fuser_no_cuda_graphs", default=False)
+_NO_CUDA_GRAPHS = ContextFlag("no_cuda_graphs", False)
 
 
-@contextlib.contextmanager
 def eager_decode():
     """Within it, ``generate`` of a fused model runs its decode steps eagerly, for this thread / task only: what
     ``MLA_FUSER_CUDA_GRAPHS=0`` does for the whole process, without touching the environment (a benchmark's eager
     row, a debugging session)."""
-    token = _NO_CUDA_GRAPHS.set(True)
-    try:
-        yield
-    finally:
-        _NO_CUDA_GRAPHS.reset(token)
+    return _NO_CUDA_GRAPHS.set_to(True)
 
 
 def cuda_graphs_wanted() -> bool:

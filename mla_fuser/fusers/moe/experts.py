@@ -6,8 +6,9 @@ before wherever the kernel cannot run.  The decorator picks the implementation a
 ``self.config._experts_implementation``, and that config is shared by the whole model, so ``apply_interface``
 gives one experts instance a config *view* (``_ExpertsConfigView``) that names ``"mla_fuser"`` while the
 model's own choice is unchanged since fusion; other blocks (declined ones included) keep theirs.  Generate's
-decode-time swap to ``batched_mm`` is told apart from a user's choice by a ``ContextVar`` that
-``keep_fused_experts`` sets (the runtime's ``generate`` enters it for models with ``switched_experts_views``).
+decode-time swap to ``batched_mm`` is told apart from a user's choice by a flag that ``keep_fused_experts`` sets
+(the runtime's ``generate`` enters it for models with ``switched_experts_views``): a ``context_flags.ContextFlag``,
+which a forward compiled with ``fullgraph=True`` reads too.
 
 Block-FP8 experts (float8 ``gate_up_proj``/``down_proj`` stacks with per-expert block scales, recognised by those
 tensors: ``kernels.fp8.experts``) run ``fused_experts_fp8``.  Transformers gives its FP8 experts their own
@@ -18,13 +19,13 @@ its own FP8 implementations fetch a kernel from the Hugging Face Hub, so FP8 exp
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
 
 import torch
 from torch import nn
 
 from ... import compat
+from ...context_flags import ContextFlag
 from ...kernels.dispatch import requested_backend
 from ...kernels.fp8.experts import FP8ExpertsLayout, explain_fp8_experts, fp8_expert_tensors
 from ...kernels.fp8.format import FP8_DTYPE
@@ -85,9 +86,10 @@ class _ExpertsConfigView:
     def __init__(self, base):
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_fused_over", compat.experts_implementation(base))
+        object.__setattr__(self, "_base_id", id(base))  # (an int: what compiled code compares with the kept set)
 
     def __getattr__(self, name):
-        if name in ("_base", "_fused_over") or name.startswith("__"):
+        if name in ("_base", "_fused_over", "_base_id") or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self._base, name)
 
@@ -99,7 +101,7 @@ class _ExpertsConfigView:
         current = compat.experts_implementation(self._base)
         if current == self._fused_over:
             return IMPL_NAME
-        if current == "batched_mm" and self._fused_over == "grouped_mm" and id(self._base) in _DECODE_SWAP_KEPT.get():
+        if current == "batched_mm" and self._fused_over == "grouped_mm" and self._base_id in _DECODE_SWAP_KEPT.get():
             return IMPL_NAME  # generate()'s own decode-time swap, not a choice of the user (see keep_fused_experts)
         return current
 
@@ -109,8 +111,7 @@ class _ExpertsConfigView:
 
 # Configs (by id) whose ``grouped_mm`` -> ``batched_mm`` switch is Transformers' ``generate`` swapping implementations
 # for its decode steps (``_optimize_model_for_decode``) rather than a user's choice: fused experts stay fused there.
-_DECODE_SWAP_KEPT: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
-    "mla_fuser_decode_swap", default=frozenset())
+_DECODE_SWAP_KEPT = ContextFlag("decode_swap_kept", frozenset())
 
 
 @contextlib.contextmanager
@@ -123,11 +124,8 @@ def keep_fused_experts(model: nn.Module, views: tuple | None = None):
     views = switched_experts_views(model) if views is None else views
     configs = {id(v._base) for v in views
                if compat.experts_implementation(v._base) == v._fused_over == "grouped_mm"}
-    token = _DECODE_SWAP_KEPT.set(_DECODE_SWAP_KEPT.get() | configs)
-    try:
+    with _DECODE_SWAP_KEPT.set_to(_DECODE_SWAP_KEPT.get() | configs):
         yield
-    finally:
-        _DECODE_SWAP_KEPT.reset(token)
 
 
 def switched_experts_views(model: nn.Module) -> tuple:
@@ -282,11 +280,13 @@ def switch_experts(experts: nn.Module) -> str:
     config = getattr(experts, "config", None)
     if config is None:
         raise NoMatch("the experts module has no config to select its implementation from")
-    from ...kernels import fused_moe  # noqa: F401 - imported at fusion, not inside the first forward (a first impression)
+    # imported at fusion, not inside the first forward (a first impression)
+    from ...kernels import fused_moe  # noqa: F401
 
     # expert parallelism: each rank holds some of the experts, which the kernel does not take (_kernel_supports)
     parallel = ("; expert-parallel here: Transformers' own implementation runs them"
                 if getattr(experts, "_is_expert_parallel", False) else "")
+    _experts_activation(experts)  # found now: a forward compiled before any eager call cannot probe it (data-dependent)
     if compat.experts_implementation(config) == IMPL_NAME:
         return f"experts_implementation {IMPL_NAME!r} (selected by the model){parallel}"
     experts.config = _ExpertsConfigView(config)
