@@ -463,6 +463,32 @@ def test_divergence_gap_is_natives_own_margin_on_right_padded_rows(pair):
     assert len(gaps) == 1 and gaps[0] == pytest.approx(margin, rel=1e-5, abs=1e-7)
 
 
+def test_transformers_own_compile_config_is_served_by_the_graphed_steps(pair, graphed):
+    """``generation_config.compile_config`` with ``cache_implementation="static"`` (Transformers' own compiled
+    generation, made to run here with ``_compile_all_devices``): our static paged cache says it is not compileable,
+    so Transformers skips its compile (it logs that it does) and the decode steps are our graphed ones, the same
+    purpose by CUDA graphs; nothing is compiled and the tokens are native's."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    native, fused = pair
+    ids, mask = left_padded_prompts([9, 12], seed=3)
+    kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    config = CompileConfig(fullgraph=True, backend="eager")
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        out = fused.generate(ids, cache_implementation="static", compile_config=config, **kw)
+    finally:
+        mla_fuser.release_decode_graphs(fused)
+    plan = last_generate_plan(fused)
+    assert plan.graphed and plan.steps > 0 and not plan.cache.is_compileable
+    assert counters["stats"]["unique_graphs"] == 0
+    assert torch.equal(out, native.generate(ids, cache_implementation="static", compile_config=config, **kw))
+
+
 @pytest.mark.parametrize("implementation", [None, "static"])
 def test_a_forward_the_caller_compiled_runs_over_a_static_paged_cache_not_our_graph(pair, graphed, implementation):
     """``model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``, as Transformers'
