@@ -38,6 +38,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
 from .cache_moves import CountsMoves
+from .cache_pool import CachePoolExhausted, PagePool
 from .cache_reorder import HostTables, own_pages_from, reorder_in_place
 from .kernels.dispatch import on_device, use_triton
 from .kernels.latent_fp8 import FP8_DTYPE, dequantise_rows, is_fp8, packed_width, raw
@@ -46,52 +47,6 @@ from .kernels.paged_cache_ops import paged_append
 from .plans import model_state, plan_of
 
 PAGED_ATTR = "_mla_fuser_paged"
-
-
-class CachePoolExhausted(RuntimeError):
-    """The page pool of a paged latent cache cannot hold the requested tokens."""
-
-
-class PagePool(CountsMoves):
-    """Pages of one layer: one tensor and a free list (page ids).  ``moves``: how often ``pages`` was replaced.
-
-    A ``growable`` pool (the automatic cache of ``generate``) doubles instead of raising when it runs out;
-    a sized pool (``max_cache_tokens`` / ``memory_fraction``) never moves, so its addresses stay fixed."""
-
-    _WATCHED = frozenset({"pages"})
-
-    def __init__(self, num_pages: int, page_size: int, width: int, dtype, device, growable: bool = False):
-        if num_pages <= 0:
-            raise ValueError(f"a page pool needs at least one page (got {num_pages})")
-        self.page_size = page_size
-        self.width = width
-        self.growable = growable
-        self.pages = torch.zeros(num_pages, page_size, width, dtype=dtype, device=device)
-        self.free: list[int] = list(range(num_pages - 1, -1, -1))
-
-    def _grow(self, at_least: int) -> None:
-        old = self.num_pages
-        new = max(old, at_least)
-        extra = torch.zeros(new, self.page_size, self.width, dtype=self.pages.dtype, device=self.pages.device)
-        self.pages = torch.cat([self.pages, extra])
-        self.free = list(range(old + new - 1, old - 1, -1)) + self.free
-
-    @property
-    def num_pages(self) -> int:
-        return self.pages.shape[0]
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self.free) and self.growable:
-            self._grow(n - len(self.free))
-        if n > len(self.free):
-            raise CachePoolExhausted(
-                f"paged latent cache: {n} more pages of {self.page_size} tokens needed, only {len(self.free)} of "
-                f"{self.num_pages} free; raise max_cache_tokens / memory_fraction or shorten the batch"
-            )
-        return [self.free.pop() for _ in range(n)]
-
-    def release(self, pages: list[int]) -> None:
-        self.free.extend(reversed(pages))
 
 
 def _upload(host: torch.Tensor, device, current: torch.Tensor | None) -> torch.Tensor:
@@ -228,7 +183,8 @@ class PagedLatentLayer(HostTables, CountsMoves, CacheLayerMixin):
         return self.moves, -1 if pool is None else pool.moves
 
     def advance(self, tokens: int = 1) -> None:
-        """Record on the host that every sequence grew by ``tokens`` (a replayed step's kernels did it on the device)."""
+        """Record on the host that every sequence grew by ``tokens`` (a replayed or compiled step did it on the
+        device)."""
         self.host_lens = [n + tokens for n in self.host_lens]
 
     def rewind(self, lengths: list[int]) -> None:
@@ -306,6 +262,8 @@ class PagedLatentLayer(HostTables, CountsMoves, CacheLayerMixin):
     # ------------------------------------------------------------------ the Cache layer API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write ``key_states`` (kv_c [B,1,S,rank]) and ``value_states`` (k_pe [B,1,S,rope]) into pages."""
+        if self.is_compileable and torch.compiler.is_compiling():
+            return self._compiled_update(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, _, new, _ = key_states.shape
@@ -331,6 +289,20 @@ class PagedLatentLayer(HostTables, CountsMoves, CacheLayerMixin):
             paged_append(pages, self.block_table, self.seq_lens, kv_c, k_pe, advance=True)
         self.host_lens = target
         return self._stand_ins(key_states, value_states, target[0] if target else 0)
+
+    def _compiled_update(self, key_states, value_states):
+        """A step traced by ``torch.compile`` over a compileable (static) cache: the rows written and the lengths
+        advanced on the device only, stand-ins as long as the cache (the shapes stay the same at every step, as
+        Transformers' ``StaticLayer`` keeps them); no host list is read or changed, since the compiled step would
+        otherwise be traced again for every length.  Whoever runs such steps advances the host lengths after each
+        (:meth:`advance`), as a replayed step's caller does."""
+        pages = self.pool.pages
+        kv_c, k_pe = key_states.select(1, 0), value_states.select(1, 0)
+        if not is_fp8(pages):  # (an FP8 pool quantises in the append)
+            kv_c, k_pe = kv_c.to(pages.dtype), k_pe.to(pages.dtype)
+        with on_device(pages):
+            paged_append(pages, self.block_table, self.seq_lens, kv_c, k_pe, advance=True)
+        return self._stand_ins(key_states, value_states, self.cache.max_seq_len)
 
     def _holds(self, new: int) -> bool:
         """Whether every sequence (all of one length) already holds the pages for ``new`` more tokens."""
@@ -387,9 +359,13 @@ class PagedLatentLayer(HostTables, CountsMoves, CacheLayerMixin):
         return data.reshape(table.shape[0], -1, self.pool.width)[:, :total]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.is_compileable:  # (a compileable cache's masks cover all of it, one shape at every step)
+            return self.cache.max_seq_len, 0
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
+        if self.is_compileable and torch.compiler.is_compiling():  # (on the device, as StaticLayer's: no host int)
+            return self.seq_lens[0]
         return max(self.host_lens) if self.host_lens else 0
 
     def get_max_length(self) -> int:
@@ -565,6 +541,17 @@ class PagedLatentCache(DynamicCache):
                 layer.reset()
             elif type(layer) is DynamicLayer and layer.is_initialized:
                 self.layers[idx] = DynamicLayer()
+
+    def set_compileable(self, on: bool) -> None:
+        """Report ``is_compileable`` (a static cache only), as Transformers' ``StaticCache`` does: Transformers then
+        builds each step's mask at the cache's full length, and a step traced by ``torch.compile`` reads and changes
+        no host state (``PagedLatentLayer._compiled_update``), so one compiled graph serves every step.  Off by
+        default: our own replayed steps need neither, and Transformers compiles ``generate``'s steps itself for a
+        compileable cache on a GPU unless ``disable_compile`` is set."""
+        if on and not self.static:
+            raise ValueError("only a static PagedLatentCache can be compileable: its pages never move")
+        for layer in self.paged:
+            layer.is_compileable = bool(on)
 
     def set_left_padding(self, starts) -> None:
         """Sequence ``b`` holds ``starts[b]`` padding tokens at its beginning: decode steps without an attention

@@ -500,7 +500,10 @@ def test_a_forward_the_caller_compiled_runs_over_a_static_paged_cache_not_our_gr
     compiled again.  Tokens are native's; the caller's compiled forward is in place after each call.  (Here the
     ``eager`` backend: tracing only, the CPU stand-in; ``test_gpu_generation_modes.py`` compiles for real.)  The
     decode steps run inside generate's swap of the experts to ``batched_mm``, as on a GPU: the compiled step reads
-    the flag that keeps our experts fused (torch 2.11's Dynamo failed there on ``ContextVar.get``)."""
+    the flag that keeps our experts fused (torch 2.11's Dynamo failed there on ``ContextVar.get``).  Every decode step
+    has one shape: one graph, no symbolic sizes among its inputs (each value of one would be traced, and recorded
+    as a CUDA graph by ``reduce-overhead``, again: 22-30 ms a step on an H100 before), the mask as long as the
+    cache."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -513,10 +516,16 @@ def test_a_forward_the_caller_compiled_runs_over_a_static_paged_cache_not_our_gr
     ids, mask = left_padded_prompts([9, 12], seed=3)
     kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
     extra = {} if implementation is None else {"cache_implementation": implementation}
+    inputs = []
+
+    def backend(graph, example_inputs):  # (the eager backend, recording each graph's inputs)
+        inputs.append(example_inputs)
+        return graph.forward
+
     torch._dynamo.reset()
     counters.clear()
     try:
-        compiled = fused.forward = torch.compile(fused.forward, backend="eager", fullgraph=True)
+        compiled = fused.forward = torch.compile(fused.forward, backend=backend, fullgraph=True)
         out = fused.generate(ids, **kw, **extra)
         plan, graphs = last_generate_plan(fused), counters["stats"]["unique_graphs"]
         again = fused.generate(ids, **kw, **extra)
@@ -527,6 +536,10 @@ def test_a_forward_the_caller_compiled_runs_over_a_static_paged_cache_not_our_gr
         mla_fuser.release_decode_graphs(fused)
     assert not plan.graphed and plan.reason == COMPILED_BY_CALLER and plan.prefill_uncompiled
     assert len(swaps) == 2  # (both calls decoded inside the swap)
+    assert len(inputs) == 1 and not any(isinstance(x, torch.SymInt) for x in inputs[0])
+    masks = [x for x in inputs[0] if isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype == torch.bool]
+    assert masks and all(m.shape[-1] == plan.cache.max_seq_len for m in masks)
+    assert not any(layer.is_compileable for layer in plan.cache.paged)  # (for the call only)
     assert isinstance(plan.cache, PagedLatentCache) and plan.cache.static
     tensors = [t for layer in plan.cache.paged for t in step_tensors(layer)]
     assert tensors and all(hasattr(t, "_dynamo_static_input_type") for t in tensors)  # (mark_static_address's tag)

@@ -15,7 +15,7 @@ LAYERS = [
     ("kernels",),
     ("graph",),
     ("rewrite", "rotary_call"),
-    ("cache", "cache_reorder", "cache_moves"),
+    ("cache", "cache_pool", "cache_reorder", "cache_moves"),
     ("attention_interfaces",),
     ("fusers",),
     ("runtime",),

@@ -181,26 +181,34 @@ def _boolean_mask(allowed, bias):
     return keep if allowed is None else allowed & keep
 
 
-def left_padding_starts(attention_mask, kv_len: int):
+def left_padding_starts(attention_mask, kv_len: int, ends=None):
     """For a one-token query's mask ``[B, 1, 1, >=T]`` that allows exactly the keys ``>= s_b`` of each row (left
     padding; a float mask of 0 / very negative values counts), ``s`` as int32 ``[B]``; None for any other mask.
-    Costs one host sync (the check), which an eager decode step of a padded batch pays anyway."""
+    ``ends``: see :func:`left_padding_of`.  Costs one host sync (the check), which an eager decode step of a padded
+    batch pays anyway."""
     mask = attention_mask[..., :kv_len]
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[-1] != kv_len:
         return None
     mask = mask[:, 0, 0]
     if mask.dtype == torch.bool:
-        return left_padding_of(mask)
+        return left_padding_of(mask, ends=ends)
     allowed = mask > torch.finfo(mask.dtype).min / 2
-    return left_padding_of(allowed, exact=(mask == 0) | ~allowed)
+    return left_padding_of(allowed, exact=(mask == 0) | ~allowed, ends=ends)
 
 
-def left_padding_of(allowed: torch.Tensor, exact=True):
+def left_padding_of(allowed: torch.Tensor, exact=True, ends=None):
     """int32 ``[B]``: how many leading keys each row of the boolean ``allowed [B, T]`` leaves out, when every row
-    allows exactly the keys from there on (and ``exact`` holds everywhere); None otherwise.  One host sync."""
+    allows exactly the keys from there on (and ``exact`` holds everywhere); None otherwise.  One host sync.
+    ``ends`` (int ``[B]``, a compileable cache's lengths): each row's keys end there instead of at ``T``, the mask
+    covering the whole cache (the keys from ``ends`` on must not be allowed)."""
     length = allowed.shape[-1]
-    starts = length - allowed.sum(-1)
-    expected = torch.arange(length, device=allowed.device).view(1, -1) >= starts.view(-1, 1)
+    count = allowed.sum(-1)
+    end = length if ends is None else ends.to(device=allowed.device, dtype=count.dtype).view(-1)
+    starts = end - count
+    keys = torch.arange(length, device=allowed.device).view(1, -1)
+    expected = keys >= starts.view(-1, 1)
+    if ends is not None:
+        expected &= keys < end.view(-1, 1)
     is_left_padding = ((allowed == expected) & exact).all()
     if torch.compiler.is_compiling() or (allowed.is_cuda and torch.cuda.is_current_stream_capturing()):
         # a traced or captured step cannot branch on the data (Transformers 5.17 hands such decode steps a mask
@@ -277,7 +285,8 @@ def fused_mla_attention(module, query, kv_c, k_pe, attention_mask, scaling, indi
             # keys to "from s on", so together they keep the later start
             starts = view.starts
             if attention_mask is not None:
-                from_mask = left_padding_starts(attention_mask, kv_c.shape[2])
+                ends = view.seq_lens if view.layer.is_compileable else None  # (its mask covers the whole cache)
+                from_mask = left_padding_starts(attention_mask, kv_c.shape[2], ends)
                 starts = from_mask if starts is None or from_mask is None else torch.maximum(starts, from_mask)
             if attention_mask is None or starts is not None:
                 return with_absorbed_weights(kv_b, m, heads, lambda w_uk, w_uv, b_v: paged_decode(

@@ -13,6 +13,13 @@ forward, over a static paged cache (``generate.plan_generate``).  Two things mak
   (``attention_interfaces.vllm_mla.left_padding_of``), which would end the process's CUDA context; a call whose
   prompt is padded otherwise runs as if the forward were not compiled (:func:`forward_uncompiled`; graphed where it
   can be), and its plan's reason says so.
+* **One shape at every step**: the static paged cache reports ``is_compileable`` for the call
+  (``PagedLatentCache.set_compileable``), as Transformers' ``StaticCache`` does, so Transformers builds each step's
+  mask at the cache's full length, and a traced step neither reads nor changes the host's lengths (a Python int
+  read there would be guarded on, and each new value would trace the step again, with symbolic sizes whose every
+  value ``reduce-overhead`` records a CUDA graph for: 22-30 ms a step measured on an H100 before this, against 3
+  for our own replayed step).  The host lengths are advanced here after each compiled step instead.  The call sets
+  ``disable_compile``: Transformers would otherwise compile its steps a second time, around the caller's compile.
 * **The cache's buffers are static addresses** (:func:`mark_static_addresses`): ``mode="reduce-overhead"`` records
   CUDA graphs (cudagraph trees) that copy every tensor input which is not a parameter, a buffer or marked static
   into their own memory before each replay, and do not record at all when such an input is written in place: the
@@ -34,6 +41,7 @@ import types
 import torch
 
 from ..attention_interfaces.paged import MAX_STEP_TOKENS
+from ..cache import CachePoolExhausted
 from ..cache_moves import CountsMoves
 
 COMPILED_BY_CALLER = ("the caller compiled the model's forward (torch.compile): its own compiled steps run (with "
@@ -73,22 +81,43 @@ def prefill_uncompiled(model, cache):
     compiled = model.__dict__["forward"]
     original = uncompiled_forward(model)
     calls = [0]
+    fixed = cache.static and bool(cache.paged)  # (one shape at every step: see the module docstring)
 
     def forward(*args, **kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         prompt = calls[0] == 0 or (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > MAX_STEP_TOKENS)
         calls[0] += 1
-        if not prompt:
+        if prompt:
+            out = original(*args, **kwargs)
+            mark_static_addresses(cache)
+            return out
+        if not fixed:
             return compiled(*args, **kwargs)
-        out = original(*args, **kwargs)
-        mark_static_addresses(cache)
+        tokens = ids.shape[1]
+        _check_room(cache, tokens)
+        out = compiled(*args, **kwargs)
+        for layer in cache.paged:  # (the traced step advanced the lengths on the device only)
+            layer.advance(tokens)
         return out
 
     model.forward = forward
+    if fixed:
+        cache.set_compileable(True)
     try:
         yield
     finally:
         model.forward = compiled
+        if fixed:
+            cache.set_compileable(False)
+
+
+def _check_room(cache, tokens: int) -> None:
+    """What an uncompiled step of a static cache raises when its pages cannot hold ``tokens`` more (a compiled step
+    would write past them)."""
+    room = cache.max_seq_len - max((max(layer.lengths, default=0) for layer in cache.paged), default=0)
+    if tokens > room:
+        raise CachePoolExhausted(f"static paged latent cache sized for {cache.max_seq_len} tokens per sequence; "
+                                 f"a compiled step of {tokens} tokens finds room for {max(room, 0)}")
 
 
 @contextlib.contextmanager
