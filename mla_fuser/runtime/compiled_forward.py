@@ -13,8 +13,8 @@ forward, over a static paged cache (``generate.plan_generate``).  Two things mak
   (``attention_interfaces.vllm_mla.left_padding_of``), which would end the process's CUDA context; a call whose
   prompt is padded otherwise runs as if the forward were not compiled (:func:`forward_uncompiled`; graphed where it
   can be), and its plan's reason says so.
-* **One shape at every step**: the static paged cache reports ``is_compileable`` for the call
-  (``PagedLatentCache.set_compileable``), as Transformers' ``StaticCache`` does, so Transformers builds each step's
+* **One shape at every step**: the static paged cache reports ``is_compileable`` from the call's first decode step
+  on (``PagedLatentCache.set_compileable``), as Transformers' ``StaticCache`` does, so Transformers builds each step's
   mask at the cache's full length, and a traced step neither reads nor changes the host's lengths (a Python int
   read there would be guarded on, and each new value would trace the step again, with symbolic sizes whose every
   value ``reduce-overhead`` records a CUDA graph for: 22-30 ms a step measured on an H100 before this, against 3
@@ -90,6 +90,8 @@ def prefill_uncompiled(model, cache):
         if prompt:
             out = original(*args, **kwargs)
             mark_static_addresses(cache)
+            if fixed:  # (from the first decode step on: a prefill's mask at the cache's full length would be larger)
+                cache.set_compileable(True)
             return out
         if not fixed:
             return compiled(*args, **kwargs)
@@ -101,8 +103,6 @@ def prefill_uncompiled(model, cache):
         return out
 
     model.forward = forward
-    if fixed:
-        cache.set_compileable(True)
     try:
         yield
     finally:
