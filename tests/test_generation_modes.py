@@ -788,3 +788,37 @@ def test_a_padded_graphed_call_reads_its_mask_padding_once(pair, graphed, monkey
     kw = dict(attention_mask=mask, max_new_tokens=9, do_sample=False)
     assert torch.equal(fused.generate(ids, **kw), native.generate(ids, **kw))
     assert last_generate_plan(fused).graphed and len(reads) == 1
+
+
+@torch.no_grad()
+def test_a_compiled_step_past_a_static_caches_end_raises_before_it_runs(pair):
+    """A compiled step writes where the block table points without host checks, so the wrapper checks room first and
+    raises what an uncompiled step of a static cache raises: nothing is compiled or run, the host lengths stay
+    where they were, and the cache is compileable only inside the call."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from mla_fuser.cache import CachePoolExhausted
+    from mla_fuser.compat import cache_keyword
+    from mla_fuser.runtime.compiled_forward import prefill_uncompiled
+
+    _, fused = pair
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(5))
+    cache = PagedLatentCache.static_for(fused, 2, 9)
+    kw = {"use_cache": True, cache_keyword(fused): cache}
+    torch._dynamo.reset()
+    counters.clear()
+    fused.forward = torch.compile(fused.forward, backend="eager", fullgraph=True)
+    try:
+        with prefill_uncompiled(fused, cache):
+            fused(input_ids=ids, **kw)  # the prefill, uncompiled: 8 of the cache's 9 tokens
+            assert all(layer.is_compileable for layer in cache.paged)
+            lengths = [layer.lengths for layer in cache.paged]
+            with pytest.raises(CachePoolExhausted, match="room for 1"):
+                fused(input_ids=ids[:, :2], **kw)
+            assert [layer.lengths for layer in cache.paged] == lengths
+        assert counters["stats"]["unique_graphs"] == 0
+        assert not any(layer.is_compileable for layer in cache.paged)
+    finally:
+        del fused.forward
+        torch._dynamo.reset()
