@@ -261,16 +261,21 @@ class PagedLatentLayer(HostTables, CountsMoves, CacheLayerMixin):
 
     # ------------------------------------------------------------------ the Cache layer API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write ``key_states`` (kv_c [B,1,S,rank]) and ``value_states`` (k_pe [B,1,S,rope]) into pages."""
-        if self.is_compileable and torch.compiler.is_compiling():
-            return self._compiled_update(key_states, value_states)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        """Write ``key_states`` (kv_c [B,1,S,rank]) and ``value_states`` (k_pe [B,1,S,rope]) into pages.
+
+        A step traced by ``torch.compile`` over a compileable (static) cache writes and advances the lengths on the
+        device only and returns stand-ins as long as the cache (one shape at every step, as Transformers'
+        ``StaticLayer`` keeps them): a host list read there would trace the step again for every length.  Whoever
+        runs such steps advances the host lengths after each (:meth:`advance`), as a replayed step's caller does."""
+        fixed = self.is_compileable and torch.compiler.is_compiling()
         batch, _, new, _ = key_states.shape
-        if len(self.host_lens) == batch and self.block_table is not None and self._holds(new):
-            target = [self.host_lens[0] + new] * batch  # a step inside pages already held (most decode steps)
-        else:
-            target = self._prepare(batch, new)
+        if not fixed:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if len(self.host_lens) == batch and self.block_table is not None and self._holds(new):
+                target = [self.host_lens[0] + new] * batch  # a step inside pages already held (most decode steps)
+            else:
+                target = self._prepare(batch, new)
         pages = self.pool.pages
         kv_c, k_pe = key_states.select(1, 0), value_states.select(1, 0)
         if (kv_c.dtype != pages.dtype or k_pe.dtype != pages.dtype) and not is_fp8(pages):  # (FP8: quantised)
@@ -287,22 +292,10 @@ class PagedLatentLayer(HostTables, CountsMoves, CacheLayerMixin):
             self.seq_lens += new
         else:
             paged_append(pages, self.block_table, self.seq_lens, kv_c, k_pe, advance=True)
+        if fixed:
+            return self._stand_ins(key_states, value_states, self.cache.max_seq_len)
         self.host_lens = target
         return self._stand_ins(key_states, value_states, target[0] if target else 0)
-
-    def _compiled_update(self, key_states, value_states):
-        """A step traced by ``torch.compile`` over a compileable (static) cache: the rows written and the lengths
-        advanced on the device only, stand-ins as long as the cache (the shapes stay the same at every step, as
-        Transformers' ``StaticLayer`` keeps them); no host list is read or changed, since the compiled step would
-        otherwise be traced again for every length.  Whoever runs such steps advances the host lengths after each
-        (:meth:`advance`), as a replayed step's caller does."""
-        pages = self.pool.pages
-        kv_c, k_pe = key_states.select(1, 0), value_states.select(1, 0)
-        if not is_fp8(pages):  # (an FP8 pool quantises in the append)
-            kv_c, k_pe = kv_c.to(pages.dtype), k_pe.to(pages.dtype)
-        with on_device(pages):
-            paged_append(pages, self.block_table, self.seq_lens, kv_c, k_pe, advance=True)
-        return self._stand_ins(key_states, value_states, self.cache.max_seq_len)
 
     def _holds(self, new: int) -> bool:
         """Whether every sequence (all of one length) already holds the pages for ``new`` more tokens."""
@@ -545,7 +538,7 @@ class PagedLatentCache(DynamicCache):
     def set_compileable(self, on: bool) -> None:
         """Report ``is_compileable`` (a static cache only), as Transformers' ``StaticCache`` does: Transformers then
         builds each step's mask at the cache's full length, and a step traced by ``torch.compile`` reads and changes
-        no host state (``PagedLatentLayer._compiled_update``), so one compiled graph serves every step.  Off by
+        no host state (``PagedLatentLayer.update``), so one compiled graph serves every step.  Off by
         default: our own replayed steps need neither, and Transformers compiles ``generate``'s steps itself for a
         compileable cache on a GPU unless ``disable_compile`` is set."""
         if on and not self.static:

@@ -3,7 +3,7 @@
 Transformers' docs show the habit as ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` with
 ``cache_implementation="static"``.  Our own CUDA graph cannot capture around a compiled forward (a compile, or its
 own CUDA-graph recording, cannot run inside a capture), so such a call leaves the decode steps to the compiled
-forward, over a static paged cache (``generate.plan_generate``).  Two things make that work as the habit expects:
+forward, over a static paged cache (``generate.plan_generate``).  Four things make that work as the habit expects:
 
 * **The prefill runs uncompiled** (:func:`prefill_uncompiled`): the first forward allocates the cache's page pools
   and writes the prompt through host-side bookkeeping that ``fullgraph=True`` cannot trace (it raised), and a
@@ -19,7 +19,8 @@ forward, over a static paged cache (``generate.plan_generate``).  Two things mak
   read there would be guarded on, and each new value would trace the step again, with symbolic sizes whose every
   value ``reduce-overhead`` records a CUDA graph for: 22-30 ms a step measured on an H100 before this, against 3
   for our own replayed step).  The host lengths are advanced here after each compiled step instead.  The call sets
-  ``disable_compile``: Transformers would otherwise compile its steps a second time, around the caller's compile.
+  ``disable_compile``, a safeguard: Transformers decides whether to compile its steps before the prefill, when the
+  cache is not compileable yet, and compiling them would wrap a second compile around the caller's.
 * **The cache's buffers are static addresses** (:func:`mark_static_addresses`): ``mode="reduce-overhead"`` records
   CUDA graphs (cudagraph trees) that copy every tensor input which is not a parameter, a buffer or marked static
   into their own memory before each replay, and do not record at all when such an input is written in place: the
@@ -81,7 +82,8 @@ def prefill_uncompiled(model, cache):
     compiled = model.__dict__["forward"]
     original = uncompiled_forward(model)
     calls = [0]
-    fixed = cache.static and bool(cache.paged)  # (one shape at every step: see the module docstring)
+    layers = cache.paged
+    fixed = cache.static and bool(layers)  # (one shape at every step: see the module docstring)
 
     def forward(*args, **kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -96,9 +98,9 @@ def prefill_uncompiled(model, cache):
         if not fixed:
             return compiled(*args, **kwargs)
         tokens = ids.shape[1]
-        _check_room(cache, tokens)
+        _check_room(cache, layers, tokens)
         out = compiled(*args, **kwargs)
-        for layer in cache.paged:  # (the traced step advanced the lengths on the device only)
+        for layer in layers:  # (the traced step advanced the lengths on the device only)
             layer.advance(tokens)
         return out
 
@@ -111,10 +113,10 @@ def prefill_uncompiled(model, cache):
             cache.set_compileable(False)
 
 
-def _check_room(cache, tokens: int) -> None:
-    """What an uncompiled step of a static cache raises when its pages cannot hold ``tokens`` more (a compiled step
-    would write past them)."""
-    room = cache.max_seq_len - max((max(layer.lengths, default=0) for layer in cache.paged), default=0)
+def _check_room(cache, layers, tokens: int) -> None:
+    """What an uncompiled step of a static cache raises when the pages of its paged ``layers`` cannot hold ``tokens``
+    more (a compiled step would write past them)."""
+    room = cache.max_seq_len - max(max(layer.host_lens, default=0) for layer in layers)
     if tokens > room:
         raise CachePoolExhausted(f"static paged latent cache sized for {cache.max_seq_len} tokens per sequence; "
                                  f"a compiled step of {tokens} tokens finds room for {max(room, 0)}")

@@ -216,7 +216,7 @@ def _plan_for_compiled_forward(model, shape: "CallShape", user, implementation) 
     if shape.padding is not None and left is None and uncompiled:
         return GeneratePlan(uncompiled_call=True)
     cache, _, key, fingerprint = _own_static_cache(model, shape, left)  # (a kept one: its marked buffers, no compile)
-    overrides["disable_compile"] = True  # (a compileable cache: Transformers would compile around the caller's compile)
+    overrides["disable_compile"] = True  # (a safeguard: never Transformers' compile around the caller's; see there)
     return GeneratePlan(cache, reason=COMPILED_BY_CALLER, overrides=overrides, prefill_uncompiled=uncompiled,
                         keep_key=key, fingerprint=fingerprint)
 

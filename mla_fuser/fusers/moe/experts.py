@@ -122,7 +122,7 @@ def keep_fused_experts(model: nn.Module, views: tuple | None = None):
     the model's :func:`switched_experts_views`, when the caller keeps them (each call of ``generate`` enters this
     block, and walking every module costs host time that grows with the model)."""
     views = switched_experts_views(model) if views is None else views
-    configs = {id(v._base) for v in views
+    configs = {v._base_id for v in views
                if compat.experts_implementation(v._base) == v._fused_over == "grouped_mm"}
     with _DECODE_SWAP_KEPT.set_to(_DECODE_SWAP_KEPT.get() | configs):
         yield
