@@ -822,3 +822,28 @@ def test_a_compiled_step_past_a_static_caches_end_raises_before_it_runs(pair):
     finally:
         del fused.forward
         torch._dynamo.reset()
+
+
+@torch.no_grad()
+def test_a_compiled_forward_that_runs_eagerly_advances_the_cache_once(pair, monkeypatch):
+    """A forward compiled without ``fullgraph`` runs eagerly where Dynamo does not trace it (``TORCHDYNAMO_DISABLE=1``,
+    a frame it falls back on): its cache update then keeps the host lengths itself, and the wrapper must not advance
+    them again after the step.  Before, it did: the host lengths ran ahead of the device's (30 against 21 here) and
+    the tokens parted from native's.  Tokens equal native's; host and device lengths agree."""
+    import torch._dynamo
+
+    native, fused = pair
+    ids, mask = left_padded_prompts([9, 12], seed=3)
+    kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    fused.forward = torch.compile(fused.forward, backend="eager")
+    try:
+        out = fused.generate(ids, cache_implementation="static", **kw)
+        plan = last_generate_plan(fused)
+    finally:
+        del fused.forward
+        mla_fuser.release_decode_graphs(fused)
+    assert plan.prefill_uncompiled and plan.cache.static
+    for layer in plan.cache.paged:
+        assert layer.host_lens == layer.seq_lens.tolist() == [ids.shape[1] + 9] * 2
+    assert torch.equal(out, native.generate(ids, **kw))

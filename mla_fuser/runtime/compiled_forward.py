@@ -99,9 +99,14 @@ def prefill_uncompiled(model, cache):
             return compiled(*args, **kwargs)
         tokens = ids.shape[1]
         _check_room(cache, layers, tokens)
+        before = [layer.host_lens for layer in layers]
         out = compiled(*args, **kwargs)
-        for layer in layers:  # (the traced step advanced the lengths on the device only)
-            layer.advance(tokens)
+        for layer, lens in zip(layers, before):
+            # a traced update advanced the lengths on the device only; one that ran eagerly (Dynamo disabled, as by
+            # TORCHDYNAMO_DISABLE=1, or falling back on a frame) set new host lengths itself: advancing those again
+            # would put the next step's tokens past the end
+            if layer.host_lens is lens:
+                layer.advance(tokens)
         return out
 
     model.forward = forward
