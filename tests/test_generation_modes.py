@@ -803,7 +803,7 @@ def test_a_compiled_step_past_a_static_caches_end_raises_before_it_runs(pair):
     from mla_fuser.runtime.compiled_forward import prefill_uncompiled
 
     _, fused = pair
-    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(5))
     cache = PagedLatentCache.static_for(fused, 2, 9)
     kw = {"use_cache": True, cache_keyword(fused): cache}
     torch._dynamo.reset()
@@ -811,11 +811,11 @@ def test_a_compiled_step_past_a_static_caches_end_raises_before_it_runs(pair):
     fused.forward = torch.compile(fused.forward, backend="eager", fullgraph=True)
     try:
         with prefill_uncompiled(fused, cache):
-            fused(input_ids=ids, **kw)  # the prefill, uncompiled: 8 of the cache's 9 tokens
+            fused(input_ids=ids, **kw)  # the prefill, uncompiled: all the cache's 9 tokens
             assert all(layer.is_compileable for layer in cache.paged)
             lengths = [layer.lengths for layer in cache.paged]
-            with pytest.raises(CachePoolExhausted, match="room for 1"):
-                fused(input_ids=ids[:, :2], **kw)
+            with pytest.raises(CachePoolExhausted, match="room for 0"):
+                fused(input_ids=ids[:, :1], **kw)
             assert [layer.lengths for layer in cache.paged] == lengths
         assert counters["stats"]["unique_graphs"] == 0
         assert not any(layer.is_compileable for layer in cache.paged)
@@ -825,7 +825,7 @@ def test_a_compiled_step_past_a_static_caches_end_raises_before_it_runs(pair):
 
 
 @torch.no_grad()
-def test_a_compiled_forward_that_runs_eagerly_advances_the_cache_once(pair, monkeypatch):
+def test_a_compiled_forward_that_runs_eagerly_advances_the_cache_once(pair):
     """A forward compiled without ``fullgraph`` runs eagerly where Dynamo does not trace it (``TORCHDYNAMO_DISABLE=1``,
     a frame it falls back on): its cache update then keeps the host lengths itself, and the wrapper must not advance
     them again after the step.  Before, it did: the host lengths ran ahead of the device's (30 against 21 here) and
@@ -835,10 +835,10 @@ def test_a_compiled_forward_that_runs_eagerly_advances_the_cache_once(pair, monk
     native, fused = pair
     ids, mask = left_padded_prompts([9, 12], seed=3)
     kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
     fused.forward = torch.compile(fused.forward, backend="eager")
     try:
-        out = fused.generate(ids, cache_implementation="static", **kw)
+        with torch._dynamo.config.patch(disable=True):
+            out = fused.generate(ids, cache_implementation="static", **kw)
         plan = last_generate_plan(fused)
     finally:
         del fused.forward
@@ -846,4 +846,33 @@ def test_a_compiled_forward_that_runs_eagerly_advances_the_cache_once(pair, monk
     assert plan.prefill_uncompiled and plan.cache.static
     for layer in plan.cache.paged:
         assert layer.host_lens == layer.seq_lens.tolist() == [ids.shape[1] + 9] * 2
+    assert torch.equal(out, native.generate(ids, **kw))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["prompt_lookup", "beam_search"])
+def test_a_fullgraph_compiled_forward_serves_prompt_lookup_and_beam_search(pair, mode):
+    """Verification steps of several tokens (prompt lookup) over the static paged cache of a compiled call run
+    uncompiled: traced, they branched on the cache's device length (``fullgraph=True`` raised ``Unsupported``:
+    data-dependent branching); beam search reorders that cache between compiled steps.  Tokens equal native's."""
+    import torch._dynamo
+
+    native, fused = pair
+    ids, mask = left_padded_prompts([9, 12], seed=3)
+    if mode == "prompt_lookup":  # (one row: Transformers' prompt lookup takes a batch of one)
+        ids = torch.cat([ids[1:], ids[1:, -6:], ids[1:, -6:]], 1)
+        kw = dict(attention_mask=torch.ones_like(ids), prompt_lookup_num_tokens=3)
+    else:
+        kw = dict(attention_mask=mask, num_beams=2)
+    kw.update(max_new_tokens=10, do_sample=False)
+    torch._dynamo.reset()
+    fused.forward = torch.compile(fused.forward, backend="eager", fullgraph=True)
+    try:
+        out = fused.generate(ids, **kw)
+        plan = last_generate_plan(fused)
+    finally:
+        del fused.forward
+        torch._dynamo.reset()
+        mla_fuser.release_decode_graphs(fused)
+    assert plan.prefill_uncompiled and plan.cache.static and not any(layer.is_compileable for layer in plan.cache.paged)
     assert torch.equal(out, native.generate(ids, **kw))

@@ -76,9 +76,12 @@ def uncompiled_forward(model):
 def prefill_uncompiled(model, cache):
     """For one call over ``cache``: the forwards that feed a prompt (the call's first, and any of more than
     ``MAX_STEP_TOKENS`` tokens per row: prefill chunks) run the forward as it was before compiling, and the buffers
-    they leave in ``cache`` are marked static (:func:`mark_static_addresses`); the decode steps (and verification
-    steps of up to ``MAX_STEP_TOKENS`` tokens) run the compiled one.  The outputs are the same; the caller's compiled
-    forward is put back when the call returns."""
+    they leave in ``cache`` are marked static (:func:`mark_static_addresses`); the decode steps run the compiled one,
+    as do verification steps (assisted / prompt-lookup decoding) of up to ``MAX_STEP_TOKENS`` tokens over a cache that
+    is not static.  Over a static cache those run uncompiled, the cache not compileable meanwhile: a traced step of
+    several tokens would read the latent back up to a length it cannot know without a host read (``fullgraph=True``
+    raised on that branch), and their token count changes from step to step (each count a compile of its own).
+    The outputs are the same; the caller's compiled forward is put back when the call returns."""
     compiled = model.__dict__["forward"]
     original = uncompiled_forward(model)
     calls = [0]
@@ -87,17 +90,19 @@ def prefill_uncompiled(model, cache):
 
     def forward(*args, **kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        prompt = calls[0] == 0 or (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > MAX_STEP_TOKENS)
+        tokens = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+        first = calls[0] == 0
         calls[0] += 1
-        if prompt:
+        if first or tokens is None or tokens > (1 if fixed else MAX_STEP_TOKENS):
+            if fixed:  # (a prefill's mask at the cache's full length would be larger; see the docstring)
+                cache.set_compileable(False)
             out = original(*args, **kwargs)
             mark_static_addresses(cache)
-            if fixed:  # (from the first decode step on: a prefill's mask at the cache's full length would be larger)
+            if fixed:
                 cache.set_compileable(True)
             return out
         if not fixed:
             return compiled(*args, **kwargs)
-        tokens = ids.shape[1]
         _check_room(cache, layers, tokens)
         before = [layer.host_lens for layer in layers]
         out = compiled(*args, **kwargs)
