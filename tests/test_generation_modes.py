@@ -876,3 +876,48 @@ def test_a_fullgraph_compiled_forward_serves_prompt_lookup_and_beam_search(pair,
         mla_fuser.release_decode_graphs(fused)
     assert plan.prefill_uncompiled and plan.cache.static and not any(layer.is_compileable for layer in plan.cache.paged)
     assert torch.equal(out, native.generate(ids, **kw))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_a_module_the_caller_compiled_is_served_as_a_compiled_forward(pair, graphed, padding):
+    """``model.compile(fullgraph=True)`` (PyTorch's own method: ``__call__`` runs a compile of ``_call_impl``) is
+    the compiled-forward habit by another name.  Before, the plan graphed the call and Dynamo traced our graphed
+    forward: ``fullgraph=True`` raised ``Unsupported`` (a data-pointer comparison), and without it the step split
+    into 23 graphs.  Now a left-padded call runs its decode steps on the caller's compile over a static paged cache
+    (one graph, none again for a second call), its prefill uncompiled; a right-padded one runs as if the module were
+    not compiled (graphed here).  Tokens equal native's; the module's compiled call is back after each call."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from mla_fuser.runtime.compiled_forward import COMPILED_BY_CALLER, PADDING_NOT_COMPILED
+
+    native, _ = pair
+    fused = tiny_deepseek(attn="vllm_mla")
+    mla_fuser.fuse(fused)
+    ids, mask = left_padded_prompts([9, 12], seed=3)
+    if padding == "right":
+        ids, mask = ids.flip(1), mask.flip(1)
+    kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    torch._dynamo.reset()
+    counters.clear()
+    fused.compile(backend="eager", fullgraph=True)
+    compiled = fused._compiled_call_impl
+    try:
+        outs = []
+        for _ in range(2):
+            outs.append(fused.generate(ids, **kw))
+            assert fused._compiled_call_impl is compiled and "forward" not in fused.__dict__
+        graphs = counters["stats"]["unique_graphs"]
+    finally:
+        fused._compiled_call_impl = None
+        torch._dynamo.reset()
+        mla_fuser.release_decode_graphs(fused)
+    plan = last_generate_plan(fused)
+    if padding == "left":
+        assert not plan.graphed and plan.reason == COMPILED_BY_CALLER and plan.prefill_uncompiled
+        assert plan.cache.static and graphs == 1
+    else:
+        assert plan.graphed and plan.reason.startswith(PADDING_NOT_COMPILED) and graphs == 0
+    reference = native.generate(ids, **kw)
+    assert all(torch.equal(out, reference) for out in outs)

@@ -1,4 +1,5 @@
-"""A ``generate()`` call of a fused model whose forward the caller compiled (``model.forward = torch.compile(...)``).
+"""A ``generate()`` call of a fused model whose forward the caller compiled (``model.forward = torch.compile(...)``,
+or ``model.compile(...)``, PyTorch's own method for a module: the same habit by another name, ``_CompiledSlot``).
 
 Transformers' docs show the habit as ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` with
 ``cache_implementation="static"``.  Our own CUDA graph cannot capture around a compiled forward (a compile, or its
@@ -45,31 +46,59 @@ from ..attention_interfaces.paged import MAX_STEP_TOKENS
 from ..cache import CachePoolExhausted
 from ..cache_moves import CountsMoves
 
-COMPILED_BY_CALLER = ("the caller compiled the model's forward (torch.compile): its own compiled steps run (with "
-                      "mode='reduce-overhead', its own CUDA graphs); ours would capture around them")
+COMPILED_BY_CALLER = ("the caller compiled the model's forward (torch.compile, or model.compile()): its own compiled "
+                      "steps run (with mode='reduce-overhead', its own CUDA graphs); ours would capture around them")
 
 
 PADDING_NOT_COMPILED = ("the caller compiled the model's forward, but a compiled decode step reads left padding only "
                         "(its mask cannot move the padding): this call ran the forward as it was before compiling")
 
 
+def module_compiled(model) -> bool:
+    """Whether the caller compiled the module itself (``model.compile(...)``, PyTorch's own method): its calls then
+    run a ``torch.compile`` of ``nn.Module._call_impl``, which calls the class's forward (and the module's hooks)."""
+    return "forward" not in model.__dict__ and getattr(model, "_compiled_call_impl", None) is not None
+
+
 def caller_compiled_forward(model) -> bool:
     """Whether the instance's ``forward`` is a ``torch.compile`` of it (``model.forward = torch.compile(
-    model.forward, ...)``, a common habit)."""
+    model.forward, ...)``, a common habit), or the module was compiled (:func:`module_compiled`)."""
     forward = model.__dict__.get("forward")
-    return forward is not None and (hasattr(forward, "_torchdynamo_orig_callable")
-                                    or bool(getattr(forward, "_is_torch_compile", False)))
+    if forward is None:
+        return module_compiled(model)
+    return hasattr(forward, "_torchdynamo_orig_callable") or bool(getattr(forward, "_is_torch_compile", False))
 
 
 def uncompiled_forward(model):
     """The forward the caller compiled, bound to ``model``, when it is the class's own (``model.forward =
-    torch.compile(model.forward, ...)``); None for anything else (a function of the caller's, compiled)."""
+    torch.compile(model.forward, ...)``), or the module's uncompiled call (``model._call_impl``) when the module was
+    compiled; None for anything else (a function of the caller's, compiled)."""
+    if module_compiled(model):
+        return model._call_impl
     compiled = model.__dict__.get("forward")
     original = getattr(compiled, "_torchdynamo_orig_callable", None)
     own = getattr(type(model), "forward", None)
     if inspect.ismethod(original):
         return original if original.__self__ is model and original.__func__ is own else None
     return types.MethodType(original, model) if original is not None and original is own else None
+
+
+class _CompiledSlot:
+    """Where the caller's compiled call lives on ``model``: the instance's ``forward`` (``model.forward =
+    torch.compile(...)``) or, for a compiled module, the attribute ``nn.Module.__call__`` runs instead of
+    ``_call_impl`` (``_compiled_call_impl``).  ``put`` installs a callable there for one call, ``restore`` puts the
+    caller's back."""
+
+    def __init__(self, model):
+        self.model = model
+        self.name = "_compiled_call_impl" if module_compiled(model) else "forward"
+        self.compiled = getattr(model, self.name) if self.name != "forward" else model.__dict__["forward"]
+
+    def put(self, call) -> None:
+        setattr(self.model, self.name, call)
+
+    def restore(self) -> None:
+        setattr(self.model, self.name, self.compiled)
 
 
 @contextlib.contextmanager
@@ -82,7 +111,8 @@ def prefill_uncompiled(model, cache):
     several tokens would read the latent back up to a length it cannot know without a host read (``fullgraph=True``
     raised on that branch), and their token count changes from step to step (each count a compile of its own).
     The outputs are the same; the caller's compiled forward is put back when the call returns."""
-    compiled = model.__dict__["forward"]
+    slot = _CompiledSlot(model)
+    compiled = slot.compiled
     original = uncompiled_forward(model)
     calls = [0]
     layers = cache.paged
@@ -114,11 +144,11 @@ def prefill_uncompiled(model, cache):
                 layer.advance(tokens)
         return out
 
-    model.forward = forward
+    slot.put(forward)
     try:
         yield
     finally:
-        model.forward = compiled
+        slot.restore()
         if fixed:
             cache.set_compileable(False)
 
@@ -137,12 +167,12 @@ def forward_uncompiled(model):
     """For one call: the instance's forward is the one the caller compiled, uncompiled (a batch padded other than on
     the left: a compiled step asserts left padding on the device, so it would fail, and the call's own plan moves
     such padding in the cache instead).  The compiled forward is put back when the call returns."""
-    compiled = model.__dict__["forward"]
-    model.forward = uncompiled_forward(model)
+    slot = _CompiledSlot(model)
+    slot.put(None if slot.name == "_compiled_call_impl" else uncompiled_forward(model))
     try:
         yield
     finally:
-        model.forward = compiled
+        slot.restore()
 
 
 def step_tensors(owner) -> list[torch.Tensor]:
