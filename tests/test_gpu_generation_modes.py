@@ -360,9 +360,11 @@ def test_a_capture_is_not_invalidated_by_another_thread_waiting_for_the_device(m
 
 
 @torch.no_grad()
-def test_a_forward_compiled_as_transformers_docs_show_records_its_cuda_graphs_and_agrees_with_native(models):
+@pytest.mark.parametrize("habit", ["forward", "module"])
+def test_a_forward_compiled_as_transformers_docs_show_records_its_cuda_graphs_and_agrees_with_native(models, habit):
     """``model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` with
-    ``cache_implementation="static"`` (Transformers' docs): the prefill runs uncompiled, the decode steps compiled
+    ``cache_implementation="static"`` (Transformers' docs; ``habit="module"``: ``model.compile(...)`` with the same
+    options, PyTorch's method for a module): the prefill runs uncompiled, the decode steps compiled
     without a graph break and recorded as CUDA graphs (none skipped: the buffers the steps read and append to are
     static addresses), a second call of the same shape compiles nothing new and gives the same tokens; tokens agree
     with native up to bf16 near-ties (inductor fuses the modeling code's ops, so its sums round differently)."""
@@ -378,24 +380,29 @@ def test_a_forward_compiled_as_transformers_docs_show_records_its_cuda_graphs_an
     torch._dynamo.reset()
     counters.clear()
     try:
-        fused.forward = torch.compile(fused.forward, mode="reduce-overhead", fullgraph=True)
+        if habit == "forward":
+            fused.forward = torch.compile(fused.forward, mode="reduce-overhead", fullgraph=True)
+        else:
+            fused.compile(mode="reduce-overhead", fullgraph=True)
         out = fused.generate(ids, cache_implementation="static", **kw)
         plan, graphs = last_generate_plan(fused), counters["stats"]["unique_graphs"]
         again = fused.generate(ids, cache_implementation="static", **kw)
         skips = counters["inductor"]["cudagraph_skips"]
         recompiled = counters["stats"]["unique_graphs"] - graphs
     finally:
-        del fused.forward
+        fused.__dict__.pop("forward", None)
+        fused._compiled_call_impl = None
         torch._dynamo.reset()
         mla_fuser.release_decode_graphs(fused)
-    RESULTS["compiled_forward"] = dict(graphs=graphs, recompiled_second_call=recompiled, cudagraph_skips=skips,
+    key = "compiled_forward" if habit == "forward" else "compiled_module"
+    RESULTS[key] = dict(graphs=graphs, recompiled_second_call=recompiled, cudagraph_skips=skips,
                                        equal_second_call=torch.equal(out, again))
     assert plan.reason == COMPILED_BY_CALLER and plan.prefill_uncompiled and not plan.graphed
     assert graphs > 0 and recompiled == 0 and skips == 0
     assert torch.equal(out, again)
     new_ref = native.generate(ids, **kw)[:, ids.shape[1]:]
     new = out[:, ids.shape[1]:]
-    RESULTS["compiled_forward"]["token_agreement"] = float((new == new_ref).float().mean())
+    RESULTS[key]["token_agreement"] = float((new == new_ref).float().mean())
     first = [(a != b).nonzero()[0].item() if (a != b).any() else a.numel() for a, b in zip(new, new_ref)]
     gaps = divergence_gaps(native, out, mask, ids.shape[1], first, new_ref)
     assert max(gaps, default=0.0) < TOLERANCE, f"compiled steps split from native on a clear preference: {gaps}"
