@@ -86,16 +86,21 @@ def uncompiled_forward(model):
 class _CompiledSlot:
     """Where the caller's compiled call lives on ``model``: the instance's ``forward`` (``model.forward =
     torch.compile(...)``) or, for a compiled module, the attribute ``nn.Module.__call__`` runs instead of
-    ``_call_impl`` (``_compiled_call_impl``).  ``put`` installs a callable there for one call, ``restore`` puts the
-    caller's back."""
+    ``_call_impl`` (``_compiled_call_impl``); both are instance attributes.  ``put`` installs a callable there for
+    one call, ``put_uncompiled`` what makes the calls uncompiled, ``restore`` puts the caller's back."""
 
     def __init__(self, model):
         self.model = model
         self.name = "_compiled_call_impl" if module_compiled(model) else "forward"
-        self.compiled = getattr(model, self.name) if self.name != "forward" else model.__dict__["forward"]
+        self.compiled = model.__dict__[self.name]
 
     def put(self, call) -> None:
         setattr(self.model, self.name, call)
+
+    def put_uncompiled(self) -> None:
+        """The forward as it was before compiling; for a compiled module, no compiled call (``__call__`` then runs
+        ``_call_impl``)."""
+        self.put(uncompiled_forward(self.model) if self.name == "forward" else None)
 
     def restore(self) -> None:
         setattr(self.model, self.name, self.compiled)
@@ -168,7 +173,7 @@ def forward_uncompiled(model):
     the left: a compiled step asserts left padding on the device, so it would fail, and the call's own plan moves
     such padding in the cache instead).  The compiled forward is put back when the call returns."""
     slot = _CompiledSlot(model)
-    slot.put(None if slot.name == "_compiled_call_impl" else uncompiled_forward(model))
+    slot.put_uncompiled()
     try:
         yield
     finally:
