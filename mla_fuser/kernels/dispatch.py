@@ -41,7 +41,11 @@ def triton_available() -> bool:
     return True
 
 
-if triton_available():
+# Whether Triton is there, for the per-op backend choice (``use_triton``): a constant, not the cached function, because
+# a compiled forward traces that choice and Dynamo warns about every ``functools.lru_cache`` function it traces.
+HAS_TRITON = triton_available()
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
 else:  # pragma: no cover - depends on the installation
@@ -72,14 +76,14 @@ def use_triton(*tensors: torch.Tensor) -> bool:
             on_cuda = True
             break
     if forced == "triton":
-        if not triton_available():
+        if not HAS_TRITON:
             raise RuntimeError("MLA_FUSER_BACKEND=triton but Triton is not installed")
         if not on_cuda and not envs.triton_interpreting():
             raise RuntimeError(
                 "MLA_FUSER_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)"
             )
         return True
-    return on_cuda and triton_available()
+    return on_cuda and HAS_TRITON
 
 
 def cuda_index(x: torch.Tensor) -> int:
