@@ -2,8 +2,8 @@
 
 Every fused op asks ``use_triton`` which implementation to run, so a forward the caller compiles traces it at each op.
 On a GPU a compiled forward printed Dynamo's warning about tracing a ``functools.lru_cache`` function (the cached
-``triton_available``) at the first compile; the choice now reads a constant.  A CPU reaches the same code through the
-forced Triton backend under the interpreter.
+``triton_available``) at the first compile; the choice now reads a constant.  A CPU cannot take the CUDA branch; it
+traces the forced Triton backend's branch (under the interpreter), which asked the cached function the same way.
 """
 
 import warnings
