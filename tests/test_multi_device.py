@@ -285,8 +285,10 @@ def tp_results(saved, tmp_path_factory):
             f = out / f"{name}.rank{rank}.pt"
             ranks.append(torch.load(f, weights_only=False) if f.exists() else None)
         results[name] = ranks
-    if proc.returncode != 0 or any(r is None for ranks in results.values() for r in ranks):
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    missing = [f"{name}.rank{rank}" for name, ranks in results.items() for rank, r in enumerate(ranks) if r is None]
+    if proc.returncode != 0 or missing:  # (the missing results say how far the workers got)
+        pytest.fail(f"torchrun failed ({proc.returncode}), results missing: {missing or 'none'}:\n"
+                    f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     references = {d: _reference(saved / d) for d in {case[0] for case in CASES.values()}}
     return results, references
 
