@@ -13,10 +13,12 @@
   put V3's attention in it).  On a machine with two GPUs, ``MLA_FUSER_TP_GPU=1`` runs the same worker with NCCL.
 """
 
+import contextlib
 import inspect
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -262,6 +264,23 @@ def test_two_gpus_split_equals_one_device(saved, arch):
 # tensor parallelism: torchrun --nproc-per-node 2, gloo
 
 
+@contextlib.contextmanager
+def _one_torchrun_at_a_time():
+    """A lock that other test sessions on this machine take too (CI runs both Transformers ends at once): their
+    ``torchrun`` runs, each finding free ports for its store and its gloo pairs, never overlap."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not a POSIX system
+        yield
+        return
+    with open(os.path.join(tempfile.gettempdir(), "mla_fuser_tests_torchrun.lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def _distributed_available() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_gloo_available()
 
@@ -277,7 +296,8 @@ def tp_results(saved, tmp_path_factory):
         env.update(CUDA_VISIBLE_DEVICES="", MLA_FUSER_BACKEND="torch")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(HERE, "tp_worker.py"), str(saved), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    with _one_torchrun_at_a_time():
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     results = {}
     for name in CASES:
         ranks = []
