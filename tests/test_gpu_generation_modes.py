@@ -298,20 +298,20 @@ def test_steps_launched_ahead_give_the_same_tokens_and_leave_the_cache_as_withou
                 assert plan.graphed and plan.steps == NEW_TOKENS - 1 and plan.taken_back == 0
                 assert plan.steps_ahead == ((NEW_TOKENS - 1 - 2 * first) if on else 0)
                 first = False
-    for key in ((n, c) for n in ("greedy", "sample") for c in range(2)):
+    for key in ((n, c) for n in kinds for c in range(2)):
         a, b = runs[(True, *key)], runs[(False, *key)]
         # (where they part, for the record: a first difference at the first new token points at the prefill, later
         # ones at the steps.  It has failed four times in this file's runs so far, on ('sample', 0) twice, ('greedy', 0)
         # and ('sample', 1), and never on rerun or in benchmarks/probe_step_ahead_flake.py's hundreds of calls;
         # a parting call is repeated both ways, so that the next failure says whether either way repeats itself)
         differ = (a != b).nonzero().tolist() if a.shape == b.shape else "shapes differ"
-        again = {}
+        repeats = {}
         if not torch.equal(a, b):  # (for the record: does each repeat itself, and do they still part?)
             again = {on: call_again(on, *key) for on in (True, False)}
-            again = dict(ahead_repeats=torch.equal(again[True], a), without_repeats=torch.equal(again[False], b),
-                         repeats_equal=torch.equal(again[True], again[False]))
-            RESULTS[f"step_ahead_parted_{key[0]}_{key[1]}"] = dict(again, first_parts=differ[:8])
-        assert torch.equal(a, b), (key, differ[:8] if isinstance(differ, list) else differ, ids.shape[1], again)
+            repeats = dict(ahead_repeats=torch.equal(again[True], a), without_repeats=torch.equal(again[False], b),
+                           repeats_equal=torch.equal(again[True], again[False]))
+            RESULTS[f"step_ahead_parted_{key[0]}_{key[1]}"] = dict(repeats, first_parts=differ[:8])
+        assert torch.equal(a, b), (key, differ[:8] if isinstance(differ, list) else differ, ids.shape[1], repeats)
     one = ids[:1]
     eos = int(runs[False, "greedy", 0][0, ids.shape[1] + 5])
     ended = {}
@@ -409,7 +409,7 @@ def test_a_forward_compiled_as_transformers_docs_show_records_its_cuda_graphs_an
         mla_fuser.release_decode_graphs(fused)
     key = "compiled_forward" if habit == "forward" else "compiled_module"
     RESULTS[key] = dict(graphs=graphs, recompiled_second_call=recompiled, cudagraph_skips=skips,
-                                       equal_second_call=torch.equal(out, again))
+                        equal_second_call=torch.equal(out, again))
     assert plan.reason == COMPILED_BY_CALLER and plan.prefill_uncompiled and not plan.graphed
     assert graphs > 0 and recompiled == 0 and skips == 0
     assert torch.equal(out, again)
